@@ -1,0 +1,22 @@
+"""gspo_jax: Group Sequence Policy Optimization (arXiv:2507.18071) in JAX / Flax NNX.
+
+The loss components are pure functions over arrays (`gspo_jax.losses`,
+`gspo_jax.advantages`); the model is bound in at the train step.
+"""
+
+from gspo_jax.advantages import group_advantages
+from gspo_jax.logprobs import token_logprobs, token_logprobs_from_hidden
+from gspo_jax.losses import (
+    AGGREGATIONS,
+    KL_ESTIMATORS,
+    LOSSES,
+    aggregate,
+    clipped_surrogate,
+    grpo_loss,
+    gspo_loss,
+    gspo_token_loss,
+    kl_penalty,
+    sequence_log_ratio,
+)
+
+__version__ = "0.1.0"

@@ -1,0 +1,76 @@
+"""Argument checks shared by the public functions.
+
+Shapes, dtypes and static hyperparameters are checked at trace time, so they also
+hold under `jax.jit`. Value checks (a mask that is 0/1, token ids in range, finite
+rewards) need concrete data: they run when the array is concrete (eager calls, numpy
+input) and are skipped for tracers, where the caller is expected to have validated the
+data upstream (the training loop checks rewards on the host).
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def is_concrete(x: Any) -> bool:
+  """True when `x` holds data we can read now (not a tracer inside jit/vmap/grad)."""
+  return not isinstance(x, jax.core.Tracer)
+
+
+def check_rank(fn: str, name: str, x: Any, rank: int, dims: str) -> None:
+  if np.ndim(x) != rank:
+    raise ValueError(
+        f"{fn}: {name} must have shape ({dims}), rank {rank}; got shape {np.shape(x)}")
+
+
+def check_shape(fn: str, name: str, x: Any, shape: tuple[int, ...], like: str) -> None:
+  if tuple(np.shape(x)) != tuple(shape):
+    raise ValueError(
+        f"{fn}: {name} must have shape {tuple(shape)} (like {like}); got {tuple(np.shape(x))}")
+
+
+def check_float(fn: str, name: str, x: Any) -> None:
+  if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+    raise ValueError(f"{fn}: {name} must be a floating-point array; got dtype {x.dtype}")
+
+
+def check_mask(fn: str, name: str, mask: Any) -> None:
+  """A mask is bool, or numeric with values in {0, 1}."""
+  dtype = np.dtype(mask.dtype)
+  if dtype == np.bool_ or not is_concrete(mask):
+    return
+  values = np.asarray(mask)
+  bad = (values != 0) & (values != 1)
+  if bad.any():
+    where = tuple(int(i) for i in np.argwhere(bad)[0])
+    raise ValueError(
+        f"{fn}: {name} must contain only 0 and 1 (or be bool); found {values[where]!r} "
+        f"at index {where}")
+
+
+def check_positive(fn: str, name: str, value: Any) -> None:
+  """Python/numpy scalars must be > 0; traced scalars (schedules) pass unchecked."""
+  if isinstance(value, numbers.Number) or (is_concrete(value) and np.ndim(value) == 0):
+    if not float(value) > 0:
+      raise ValueError(f"{fn}: {name} must be > 0; got {value!r}")
+
+
+def check_choice(fn: str, name: str, value: Any, choices: tuple[str, ...]) -> None:
+  if value not in choices:
+    raise ValueError(f"{fn}: {name} must be one of {choices}; got {value!r}")
+
+
+def check_token_ids(fn: str, name: str, tokens: Any, vocab: int) -> None:
+  if not jnp.issubdtype(jnp.result_type(tokens), jnp.integer):
+    raise ValueError(f"{fn}: {name} must hold integer token ids; got dtype {tokens.dtype}")
+  if is_concrete(tokens):
+    values = np.asarray(tokens)
+    if values.size and (values.min() < 0 or values.max() >= vocab):
+      raise ValueError(
+          f"{fn}: {name} must lie in [0, {vocab}) (the vocabulary size); "
+          f"got min {values.min()}, max {values.max()}")

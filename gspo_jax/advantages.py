@@ -1,0 +1,60 @@
+"""Group-normalised advantages (GRPO / GSPO, paper Eq. 6).
+
+Legend: B = prompts, G = responses per prompt (the group).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gspo_jax import _checks
+
+Array = jax.Array
+
+
+def _raise_on_nan(fn: str, rewards) -> None:
+  bad = np.argwhere(np.isnan(np.asarray(rewards)))
+  if bad.size:
+    rows = sorted({int(i) for i in bad[:, 0]})
+    raise ValueError(
+        f"{fn}: rewards_BxG contains {len(bad)} NaN value(s), first at index "
+        f"{tuple(int(i) for i in bad[0])} (group rows {rows[:8]}{'...' if len(rows) > 8 else ''}). "
+        "A NaN reward usually means a reward function failed; fix or drop those samples.")
+
+
+def group_advantages(rewards_BxG: Array, *, eps: float = 1e-6, scale_by_std: bool = True) -> Array:
+  """A_ij = (r_ij - mean_j r_ij) / (std_j r_ij + eps), std with ddof = 1 (Bessel).
+
+  Choices (see GSPO_SPEC section 2): ddof = 1 and eps = 1e-6 as verl, tunix and SkyRL
+  (TRL uses eps = 1e-4). A group whose rewards are all equal gets exactly 0 (not the
+  rounding residue of r - mean). `scale_by_std=False` is the Dr. GRPO variant r - mean.
+
+  Args:
+    rewards_BxG: one row per prompt, one column per response. G must be >= 2.
+    eps: added to the std; must be > 0.
+    scale_by_std: divide by the group std (GRPO / GSPO) or not (Dr. GRPO).
+  Returns:
+    adv_BxG in at least float32.
+  Raises:
+    ValueError: on a wrong shape, G < 2, eps <= 0, or NaN rewards. NaN is detected on
+      concrete input; under `jax.jit` a host callback raises it when the step runs.
+  """
+  fn = "group_advantages"
+  _checks.check_rank(fn, "rewards_BxG", rewards_BxG, 2, "B, G")
+  if np.shape(rewards_BxG)[1] < 2:
+    raise ValueError(f"{fn}: rewards_BxG has group size G = {np.shape(rewards_BxG)[1]}; "
+                     "group normalisation needs G >= 2 responses per prompt")
+  _checks.check_positive(fn, "eps", eps)
+  if _checks.is_concrete(rewards_BxG):
+    _raise_on_nan(fn, rewards_BxG)
+  else:
+    jax.debug.callback(lambda r: _raise_on_nan(fn, r), rewards_BxG)
+  r = jnp.asarray(rewards_BxG)
+  r = r.astype(jnp.promote_types(r.dtype, jnp.float32))
+  centred = r - jnp.mean(r, axis=1, keepdims=True)
+  if scale_by_std:
+    centred = centred / (jnp.std(r, axis=1, ddof=1, keepdims=True) + eps)
+  all_equal = jnp.all(r == r[:, :1], axis=1, keepdims=True)
+  return jnp.where(all_equal, jnp.zeros((), r.dtype), centred)

@@ -1,0 +1,118 @@
+"""Per-token log-probabilities of given tokens, in float32 (or wider).
+
+Legend: B = rows (any leading shape), T = tokens, D = model width, V = vocabulary.
+
+`token_logprobs` takes logits. `token_logprobs_from_hidden` takes the final hidden
+states and the unembedding matrix and never materialises the full B x T x V float32
+logits: it scans over chunks of the T axis, and `jax.checkpoint` on the chunk makes the
+backward pass recompute each chunk's logits instead of storing them. Peak memory for
+the logits is then B x chunk_size x V x 4 bytes instead of B x T x V x 4 (twice that in
+the backward pass). `experiments/benchmark.py logprobs` measures both.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from gspo_jax import _checks
+
+Array = jax.Array
+
+
+def _check_temperature(fn: str, temperature) -> None:
+  _checks.check_positive(fn, "temperature", temperature)
+
+
+def _logprob_of(logits_xV: Array, tokens_x: Array) -> Array:
+  """log softmax(logits)[token] = logit[token] - logsumexp(logits), computed in float."""
+  lse = jax.nn.logsumexp(logits_xV, axis=-1)
+  picked = jnp.take_along_axis(logits_xV, tokens_x[..., None], axis=-1)[..., 0]
+  return picked - lse
+
+
+def token_logprobs(logits_BxTxV: Array, tokens_BxT: Array, *, temperature=1.0) -> Array:
+  """log softmax(logits / temperature)[tokens], upcast to at least float32.
+
+  Args:
+    logits_BxTxV: logits at the positions that predict `tokens_BxT` (already shifted).
+    tokens_BxT: integer ids in [0, V).
+    temperature: the sampling temperature whose distribution the log-probs describe.
+  Returns:
+    logp_BxT.
+  """
+  fn = "token_logprobs"
+  _checks.check_float(fn, "logits_BxTxV", logits_BxTxV)
+  _checks.check_shape(fn, "tokens_BxT", tokens_BxT, logits_BxTxV.shape[:-1],
+                      "logits_BxTxV.shape[:-1]")
+  _checks.check_token_ids(fn, "tokens_BxT", tokens_BxT, logits_BxTxV.shape[-1])
+  _check_temperature(fn, temperature)
+  dtype = jnp.promote_types(logits_BxTxV.dtype, jnp.float32)
+  logits = logits_BxTxV.astype(dtype)
+  if not (isinstance(temperature, (int, float)) and temperature == 1):
+    logits = logits / temperature
+  return _logprob_of(logits, tokens_BxT)
+
+
+def token_logprobs_from_hidden(hidden_BxTxD: Array, unembed_DxV: Array, tokens_BxT: Array, *,
+                               temperature=1.0, chunk_size: int = 128) -> Array:
+  """Same values and gradients as `token_logprobs(hidden @ unembed, tokens)`, lean in memory.
+
+  The logits of `chunk_size` positions at a time are computed in float32 (matmul with
+  float32 accumulation), reduced to log-probs, and dropped; the backward pass recomputes
+  them chunk by chunk. For tied embeddings pass `embedding_VxD.T`.
+
+  Args:
+    hidden_BxTxD: final hidden states (after the final norm). Any leading shape.
+    unembed_DxV: the output projection.
+    tokens_BxT: integer ids in [0, V).
+    temperature: as in `token_logprobs`.
+    chunk_size: positions along T per chunk (T is padded up to a multiple).
+  Returns:
+    logp_BxT in float32 (float64 if the inputs are float64).
+  """
+  fn = "token_logprobs_from_hidden"
+  _checks.check_float(fn, "hidden_BxTxD", hidden_BxTxD)
+  _checks.check_rank(fn, "unembed_DxV", unembed_DxV, 2, "D, V")
+  _checks.check_float(fn, "unembed_DxV", unembed_DxV)
+  if hidden_BxTxD.shape[-1] != unembed_DxV.shape[0]:
+    raise ValueError(f"{fn}: hidden_BxTxD's last dimension ({hidden_BxTxD.shape[-1]}) must equal "
+                     f"unembed_DxV's first (D = {unembed_DxV.shape[0]}); for tied embeddings pass "
+                     "the embedding table transposed")
+  _checks.check_shape(fn, "tokens_BxT", tokens_BxT, hidden_BxTxD.shape[:-1],
+                      "hidden_BxTxD.shape[:-1]")
+  _checks.check_token_ids(fn, "tokens_BxT", tokens_BxT, unembed_DxV.shape[1])
+  _check_temperature(fn, temperature)
+  if not (isinstance(chunk_size, int) and chunk_size > 0):
+    raise ValueError(f"{fn}: chunk_size must be a positive int; got {chunk_size!r}")
+  if tokens_BxT.ndim == 0 or tokens_BxT.shape[-1] == 0 or tokens_BxT.size == 0:
+    dtype = jnp.promote_types(jnp.result_type(hidden_BxTxD, unembed_DxV), jnp.float32)
+    return jnp.zeros(tokens_BxT.shape, dtype)
+  lead, T = tokens_BxT.shape[:-1], tokens_BxT.shape[-1]
+  h_BxTxD = hidden_BxTxD.reshape(-1, T, hidden_BxTxD.shape[-1])
+  tok_BxT = tokens_BxT.reshape(-1, T)
+  logp_BxT = _chunked_logprobs(h_BxTxD, unembed_DxV, tok_BxT, temperature, min(chunk_size, T))
+  return logp_BxT.reshape(*lead, T)
+
+
+def _chunked_logprobs(h_BxTxD, w_DxV, tok_BxT, temperature, chunk):
+  B, T, D = h_BxTxD.shape
+  num_chunks = -(-T // chunk)
+  pad = num_chunks * chunk - T
+  # Padded positions hold zeros and token 0: finite, sliced off below.
+  h = jnp.pad(h_BxTxD, ((0, 0), (0, pad), (0, 0)))
+  tok = jnp.pad(tok_BxT, ((0, 0), (0, pad)))
+  # Chunk axis first for the scan; the batch axis stays intact (and keeps its sharding).
+  h_CxBxKxD = h.reshape(B, num_chunks, chunk, D).transpose(1, 0, 2, 3)
+  tok_CxBxK = tok.reshape(B, num_chunks, chunk).transpose(1, 0, 2)
+  acc = jnp.promote_types(jnp.result_type(h_BxTxD, w_DxV), jnp.float32)
+
+  @jax.checkpoint  # backward recomputes this chunk's logits rather than saving them
+  def chunk_logprobs(h_BxKxD, tok_BxK):
+    logits = jnp.einsum("bkd,dv->bkv", h_BxKxD, w_DxV, preferred_element_type=acc)
+    if not (isinstance(temperature, (int, float)) and temperature == 1):
+      logits = logits / temperature
+    return _logprob_of(logits, tok_BxK)
+
+  logp_CxBxK = jax.lax.map(lambda args: chunk_logprobs(*args), (h_CxBxKxD, tok_CxBxK))
+  return logp_CxBxK.transpose(1, 0, 2).reshape(B, num_chunks * chunk)[:, :T]

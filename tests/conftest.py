@@ -1,0 +1,49 @@
+"""Test setup: 8 simulated CPU devices, strict rank promotion, float32 and float64 runs.
+
+The device count must be fixed before JAX initialises its backend, so it is set here,
+at import time, before anything imports jax.
+"""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+# Broadcasting adv_B against logp_BxT by accident is exactly where GRPO/GSPO bugs hide.
+jax.config.update("jax_numpy_rank_promotion", "raise")
+# Persistent compilation cache: reruns of the suite skip most XLA compiles.
+_CACHE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".jax_cache")
+jax.config.update("jax_compilation_cache_dir", _CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def pytest_configure(config):
+  config.addinivalue_line("markers", "slow: slower tests (still run in CI)")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _eight_devices():
+  assert jax.device_count() == 8, f"expected 8 simulated CPU devices, got {jax.devices()}"
+
+
+@pytest.fixture(params=["float32", "float64"])
+def dtype(request):
+  """Runs a test once in float32 and once with JAX_ENABLE_X64 semantics in float64."""
+  x64 = request.param == "float64"
+  previous = jax.config.jax_enable_x64
+  jax.config.update("jax_enable_x64", x64)
+  try:
+    yield np.float64 if x64 else np.float32
+  finally:
+    jax.config.update("jax_enable_x64", previous)
+
+
+@pytest.fixture
+def tol(dtype):
+  """assert_allclose tolerances for two computations of the same quantity in `dtype`."""
+  return dict(rtol=1e-5, atol=1e-6) if dtype == np.float32 else dict(rtol=1e-12, atol=1e-13)

@@ -1,0 +1,502 @@
+"""gspo_jax.losses: hand-derived numbers, the identities of GSPO_SPEC section 11, padding,
+edge cases and bad input. Every numeric test runs in float32 and float64 (`dtype`)."""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gspo_jax import losses as L
+
+LOSSES = {
+    "gspo": L.gspo_loss,
+    "gspo_token": L.gspo_token_loss,
+    "grpo": L.grpo_loss,
+}
+
+
+def arr(x, dtype):
+  return jnp.asarray(np.asarray(x, dtype))
+
+
+def random_batch(seed, dtype, B=6, T=7, scale=0.05, prefix=True, empty_rows=()):
+  """logp, old_logp, adv_B, mask; log-ratios ~ N(0, scale)."""
+  rng = np.random.default_rng(seed)
+  logp = -rng.uniform(0.1, 3.0, (B, T))
+  old = logp - rng.normal(0.0, scale, (B, T))
+  adv = rng.normal(0.0, 1.0, B)
+  if prefix:
+    lengths = rng.integers(1, T + 1, B)
+    mask = (np.arange(T)[None, :] < lengths[:, None]).astype(np.float32)
+  else:
+    mask = (rng.uniform(size=(B, T)) < 0.6).astype(np.float32)
+    mask[:, 0] = 1
+  for i in empty_rows:
+    mask[i] = 0
+  return arr(logp, dtype), arr(old, dtype), arr(adv, dtype), jnp.asarray(mask)
+
+
+def loss_only(name, **kw):
+  return lambda logp, old, adv, mask: LOSSES[name](logp, old, adv, mask, **kw)[0]
+
+
+# ---------------------------------------------------------------- hand-derived values
+
+# Shared hand batch, eps_low = eps_high = 0.2, clip range [0.8, 1.2]. Token log-ratios
+# l = logp - old_logp ("*" = masked junk):
+#   row 0: l = [0.1, -0.2, 0.4], A = +1,   n = 3
+#   row 1: l = [0.3, *, *],      A = -1,   n = 1
+#   row 2: l = [-0.3, -0.3, *],  A = -2,   n = 2
+#   row 3: l = [0.5, 0.5, 0.5],  A = +0.5, n = 3
+#   row 4: empty,                A = +3,   n = 0   (excluded: N = 4)
+HAND_L = [[0.1, -0.2, 0.4], [0.3, 7.0, -9.0], [-0.3, -0.3, 5.0], [0.5, 0.5, 0.5], [1.0, 2.0, 3.0]]
+HAND_M = [[1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 1, 1], [0, 0, 0]]
+HAND_A = [1.0, -1.0, -2.0, 0.5, 3.0]
+EPS = dict(eps_low=0.2, eps_high=0.2)
+
+
+def hand_batch(dtype):
+  logp = np.full((5, 3), -1.5) + np.array(HAND_L)
+  old = np.full((5, 3), -1.5)
+  return arr(logp, dtype), arr(old, dtype), arr(HAND_A, dtype), jnp.asarray(HAND_M, jnp.float32)
+
+
+def test_gspo_hand_values(dtype, tol):
+  logp, old, adv, mask = hand_batch(dtype)
+  # log s = mean of counted l: row0 0.3/3 = 0.1, row1 0.3, row2 -0.3, row3 0.5.
+  # row0: s = e^0.1 = 1.105 in [0.8, 1.2]          -> s A = e^0.1
+  # row1: s = e^0.3 = 1.350 > 1.2 but A < 0         -> not clipped, s A = -e^0.3
+  # row2: s = e^-0.3 = 0.741 < 0.8 and A < 0        -> clipped low, 0.8 * -2 = -1.6
+  # row3: s = e^0.5 = 1.649 > 1.2 and A > 0         -> clipped high, 1.2 * 0.5 = 0.6
+  expected = -(math.exp(0.1) - math.exp(0.3) - 1.6 + 0.6) / 4
+  loss, m = L.gspo_loss(logp, old, adv, mask, **EPS)
+  np.testing.assert_allclose(loss, expected, **tol)
+  np.testing.assert_allclose(L.sequence_log_ratio(logp, old, mask), [0.1, 0.3, -0.3, 0.5, 0.0],
+                             **tol)
+  # Gradient: -m a_i s_i A_i / (N n_i); rows 2, 3 clipped (a = 0), row 4 empty.
+  g = jax.grad(loss_only("gspo", **EPS))(logp, old, adv, mask)
+  expected_g = np.zeros((5, 3))
+  expected_g[0, :] = -math.exp(0.1) * 1.0 / (4 * 3)
+  expected_g[1, 0] = -math.exp(0.3) * -1.0 / (4 * 1)
+  np.testing.assert_allclose(g, expected_g, **tol)
+  # 9 counted tokens; row2 (2 tokens) clipped low, row3 (3 tokens) clipped high.
+  assert float(m["num_seqs"]) == 4 and float(m["num_tokens"]) == 9
+  np.testing.assert_allclose([m["clip_frac_seq_low"], m["clip_frac_seq_high"], m["clip_frac_seq"]],
+                             [1 / 4, 1 / 4, 2 / 4], **tol)
+  np.testing.assert_allclose(
+      [m["clip_frac_token_low"], m["clip_frac_token_high"], m["clip_frac_token"]],
+      [2 / 9, 3 / 9, 5 / 9], **tol)
+  np.testing.assert_allclose([m["ratio_min"], m["ratio_max"]], [math.exp(-0.3), math.exp(0.5)],
+                             **tol)
+  np.testing.assert_allclose(m["ratio_mean"], (math.exp(0.1) + math.exp(0.3) + math.exp(-0.3) +
+                                               math.exp(0.5)) / 4, **tol)
+  # approx_kl = mean over counted tokens of e^l - 1 - l.
+  ls = [0.1, -0.2, 0.4, 0.3, -0.3, -0.3, 0.5, 0.5, 0.5]
+  np.testing.assert_allclose(m["approx_kl"], np.mean([math.exp(x) - 1 - x for x in ls]), **tol)
+
+
+def _grpo_row_objectives():
+  # Token ratios w = e^l, clip [0.8, 1.2]:
+  # row0 (A=+1): e^0.1 kept, e^-0.2 = 0.819 kept (A>0: only the high side clips), e^0.4 = 1.49 -> 1.2
+  # row1 (A=-1): e^0.3 kept (A<0: only the low side clips)        -> -e^0.3
+  # row2 (A=-2): e^-0.3 = 0.741 < 0.8 -> 0.8 * -2 = -1.6 on both tokens
+  # row3 (A=+.5): e^0.5 > 1.2 -> 1.2 * 0.5 = 0.6 on all three tokens
+  return [[math.exp(0.1), math.exp(-0.2), 1.2], [-math.exp(0.3)], [-1.6, -1.6], [0.6, 0.6, 0.6]]
+
+
+def test_grpo_hand_values_each_aggregation(dtype, tol):
+  logp, old, adv, mask = hand_batch(dtype)
+  rows = _grpo_row_objectives()
+  total = sum(sum(r) for r in rows)
+  expected = {
+      "seq-mean-token-mean": -sum(sum(r) / len(r) for r in rows) / 4,
+      "token-mean": -total / 9,
+  }
+  for mode, value in expected.items():
+    loss, _ = L.grpo_loss(logp, old, adv, mask, aggregation=mode, **EPS)
+    np.testing.assert_allclose(loss, value, **tol)
+  loss, m = L.grpo_loss(logp, old, adv, mask, aggregation="seq-mean-token-sum-norm",
+                        token_sum_norm=5.0, **EPS)
+  np.testing.assert_allclose(loss, -total / (4 * 5.0), **tol)
+  # Default normaliser is T = 3.
+  loss, _ = L.grpo_loss(logp, old, adv, mask, aggregation="seq-mean-token-sum-norm", **EPS)
+  np.testing.assert_allclose(loss, -total / (4 * 3.0), **tol)
+  # Clipped tokens: row0 t2 (high), row2 both (low), row3 all three (high): 6 of 9.
+  np.testing.assert_allclose([m["clip_frac_token_low"], m["clip_frac_token_high"]], [2 / 9, 4 / 9],
+                             **tol)
+  # Rows with any clipped token: 0, 2, 3.
+  np.testing.assert_allclose(m["clip_frac_seq"], 3 / 4, **tol)
+  # Gradient, seq-mean-token-mean: -m a_it w_it A_i / (N n_i).
+  g = jax.grad(loss_only("grpo", **EPS))(logp, old, adv, mask)
+  expected_g = np.zeros((5, 3))
+  expected_g[0, :2] = [-math.exp(0.1) / 12, -math.exp(-0.2) / 12]
+  expected_g[1, 0] = math.exp(0.3) / 4
+  np.testing.assert_allclose(g, expected_g, **tol)
+
+
+def test_gspo_token_hand_values_with_token_advantages(dtype, tol):
+  logp, old, _, mask = hand_batch(dtype)
+  adv_BxT = arr([[1.0, -1.0, 2.0], [-1.0, 0, 0], [-2.0, 1.0, 0], [0.5, -0.5, 0.5], [1, 1, 1]],
+                dtype)
+  # Every token of row i carries s_i; clipping uses the sign of A_it:
+  # row0 s = e^0.1 inside the range     -> s * (1 - 1 + 2) / 3
+  # row1 s = e^0.3, A = -1 (no low clip) -> -e^0.3
+  # row2 s = e^-0.3 < 0.8: t0 A=-2 clipped -> -1.6; t1 A=+1 not clipped -> e^-0.3; mean over 2
+  # row3 s = e^0.5 > 1.2: t0, t2 A=+.5 clipped -> 0.6; t1 A=-.5 kept -> -0.5 e^0.5; mean over 3
+  s0, s1, s2, s3 = (math.exp(x) for x in (0.1, 0.3, -0.3, 0.5))
+  rows = [s0 * 2 / 3, -s1, (-1.6 + s2) / 2, (0.6 - 0.5 * s3 + 0.6) / 3]
+  loss, m = L.gspo_token_loss(logp, old, adv_BxT, mask, **EPS)
+  np.testing.assert_allclose(loss, -sum(rows) / 4, **tol)
+  # Gradient: -m a_it s_i A_it / (N n_i).
+  g = jax.grad(loss_only("gspo_token", **EPS))(logp, old, adv_BxT, mask)
+  expected_g = np.zeros((5, 3))
+  expected_g[0] = [-s0 * a / 12 for a in (1.0, -1.0, 2.0)]
+  expected_g[1, 0] = s1 / 4
+  expected_g[2, 1] = -s2 * 1.0 / 8
+  expected_g[3, 1] = s3 * 0.5 / 12
+  np.testing.assert_allclose(g, expected_g, **tol)
+  np.testing.assert_allclose([m["clip_frac_token_low"], m["clip_frac_token_high"]], [1 / 9, 2 / 9],
+                             **tol)
+
+
+# ------------------------------------------------------------------------ identities
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_on_policy_ratio_is_one_and_gradient_closed_form(name, dtype, tol):
+  # Identity 1: logp = old_logp -> every ratio is exactly 1, nothing clipped,
+  # L = -(1/N) sum_i A_i, dL/dlogp_it = -m_it A_i / (N n_i), for all three losses.
+  logp, _, adv, mask = random_batch(1, dtype, empty_rows=(2,))
+  loss, m = LOSSES[name](logp, logp, adv, mask)
+  n = np.asarray(mask).sum(1)
+  valid = n > 0
+  N = valid.sum()
+  np.testing.assert_allclose(loss, -np.asarray(adv)[valid].sum() / N, **tol)
+  assert float(m["ratio_min"]) == 1.0 and float(m["ratio_max"]) == 1.0
+  assert float(m["clip_frac_token"]) == 0.0 and float(m["clip_frac_seq"]) == 0.0
+  assert float(m["approx_kl"]) == 0.0
+  np.testing.assert_array_equal(L.sequence_log_ratio(logp, logp, mask), np.zeros(len(n)))
+  g = jax.grad(loss_only(name))(logp, logp, adv, mask)
+  expected = -np.asarray(mask) * (np.asarray(adv) / (N * np.maximum(n, 1)))[:, None]
+  np.testing.assert_allclose(g, expected, **tol)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_gspo_token_equals_gspo_for_sequence_advantages(seed, dtype, tol):
+  # Identity 2, at a clip range where some rows are clipped and some are not.
+  logp, old, adv, mask = random_batch(seed, dtype, B=8, scale=0.1, empty_rows=(5,))
+  eps = dict(eps_low=0.01, eps_high=0.015)
+  adv_BxT = jnp.broadcast_to(adv[:, None], mask.shape)
+  l_seq, m_seq = L.gspo_loss(logp, old, adv, mask, **eps)
+  l_tok, m_tok = L.gspo_token_loss(logp, old, adv_BxT, mask, **eps)
+  assert 0 < float(m_seq["clip_frac_seq"]) < 1, "batch should mix clipped and unclipped rows"
+  np.testing.assert_allclose(l_tok, l_seq, **tol)
+  for k in m_seq:
+    np.testing.assert_allclose(m_tok[k], m_seq[k], err_msg=k, **tol)
+  g_seq = jax.grad(loss_only("gspo", **eps))(logp, old, adv, mask)
+  g_tok = jax.grad(loss_only("gspo_token", **eps))(logp, old, adv_BxT, mask)
+  np.testing.assert_allclose(g_tok, g_seq, **tol)
+  # A per-sequence adv_B passed to gspo_token_loss is broadcast: same result.
+  np.testing.assert_allclose(L.gspo_token_loss(logp, old, adv, mask, **eps)[0], l_seq, **tol)
+
+
+def test_gspo_token_differs_from_gspo_for_token_advantages(dtype):
+  logp, old, adv, mask = random_batch(3, dtype, scale=0.02)
+  rng = np.random.default_rng(3)
+  adv_BxT = arr(np.asarray(adv)[:, None] + rng.normal(0, 1, mask.shape), dtype)
+  adv_mean = jnp.sum(adv_BxT * mask, 1) / jnp.sum(mask, 1)
+  g_seq = jax.grad(loss_only("gspo", eps_low=10.0, eps_high=10.0))(logp, old, adv_mean, mask)
+  g_tok = jax.grad(loss_only("gspo_token", eps_low=10.0, eps_high=10.0))(logp, old, adv_BxT, mask)
+  # Without clipping the two losses have the same value (sum_t A_it / n_i = mean A),
+  # but GSPO-token gives each token its own advantage.
+  np.testing.assert_allclose(L.gspo_token_loss(logp, old, adv_BxT, mask, eps_low=10.0,
+                                               eps_high=10.0)[0],
+                             L.gspo_loss(logp, old, adv_mean, mask, eps_low=10.0,
+                                         eps_high=10.0)[0], rtol=1e-5)
+  assert np.max(np.abs(np.asarray(g_tok) - np.asarray(g_seq))) > 1e-3
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_gspo_gradient_closed_form_with_clipping(seed, dtype, tol):
+  # Identity 3: dL/dlogp_it = -m_it a_i s_i A_i / (N n_i), a_i = 0 for clipped rows.
+  logp, old, adv, mask = random_batch(seed + 10, dtype, B=10, scale=0.1, empty_rows=(0,))
+  eps = dict(eps_low=0.02, eps_high=0.03)
+  g = jax.grad(loss_only("gspo", **eps))(logp, old, adv, mask)
+  log_s = np.asarray(L.sequence_log_ratio(logp, old, mask))
+  s, a_, m = np.exp(log_s), np.asarray(adv), np.asarray(mask)
+  n = m.sum(1)
+  N = (n > 0).sum()
+  clipped = ((a_ > 0) & (s > 1.03)) | ((a_ < 0) & (s < 0.98))
+  assert clipped.any() and (~clipped & (n > 0)).any()
+  expected = -m * (np.where(clipped, 0.0, s * a_) / (N * np.maximum(n, 1)))[:, None]
+  np.testing.assert_allclose(g, expected, **tol)
+
+
+JUNK = [np.nan, np.inf, -np.inf, 1e30, -7.0]
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_padding_changes_nothing(name, dtype, tol):
+  # Identity 5: junk (even NaN/inf) at masked positions and extra padded columns change
+  # neither loss nor gradient; masked positions get exactly zero gradient.
+  logp, old, adv, mask = random_batch(4, dtype, B=6, T=5, scale=0.1, prefix=False,
+                                      empty_rows=(3,))
+  eps = dict(eps_low=0.05, eps_high=0.05)
+  ref = logp + 0.3
+  kw = dict(ref_logp_BxT=ref, kl_coef=0.1, **eps)
+  adv_in = adv if name != "gspo_token" else jnp.broadcast_to(adv[:, None], mask.shape) + 0.1 * logp
+  fn = lambda lp, o, a, mk, r: LOSSES[name](lp, o, a, mk, **{**kw, "ref_logp_BxT": r})
+  (loss, metrics), g = jax.value_and_grad(fn, has_aux=True)(logp, old, adv_in, mask, ref)
+
+  m = np.asarray(mask, bool)
+  rng = np.random.default_rng(0)
+  junk = lambda x: arr(np.where(m, np.asarray(x), rng.choice(JUNK, size=m.shape)), dtype)
+  adv_junk = adv_in if name != "gspo_token" else junk(adv_in)
+  # 3 extra columns of NaN junk, masked out.
+  pad = lambda x, v=np.nan: jnp.concatenate([x, jnp.full((x.shape[0], 3), v, x.dtype)], 1)
+  mask_p = pad(mask, 0)
+  adv_p = adv_junk if name != "gspo_token" else pad(adv_junk)
+  (loss_p, metrics_p), g_p = jax.value_and_grad(fn, has_aux=True)(
+      pad(junk(logp)), pad(junk(old)), adv_p, mask_p, pad(junk(ref)))
+  np.testing.assert_allclose(loss_p, loss, **tol)
+  for k in metrics:
+    np.testing.assert_allclose(metrics_p[k], metrics[k], err_msg=k, **tol)
+  g_p = np.asarray(g_p)
+  np.testing.assert_allclose(g_p[:, :5], g, **tol)
+  assert np.all(g_p[:, :5][~m] == 0.0) and np.all(g_p[:, 5:] == 0.0)
+
+
+def test_sequence_ratio_is_geometric_mean(dtype, tol):
+  # Identity 6: shifting every counted l of a row by c gives s = e^c ...
+  logp, _, _, mask = random_batch(5, dtype)
+  c = np.linspace(-2.0, 2.0, logp.shape[0])
+  old = logp - arr(c[:, None] * np.ones(logp.shape), dtype)
+  np.testing.assert_allclose(L.sequence_log_ratio(logp, old, mask), c, **tol)
+  # ... and repeating a row's tokens k times leaves s unchanged.
+  logp, old, _, _ = random_batch(6, dtype, B=3, T=4)
+  full = jnp.ones((3, 4))
+  tiled = lambda x: jnp.tile(x, (1, 3))
+  np.testing.assert_allclose(L.sequence_log_ratio(tiled(logp), tiled(old), tiled(full)),
+                             L.sequence_log_ratio(logp, old, full), **tol)
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_permuting_rows_permutes_nothing_else(name, dtype, tol):
+  # Identity 7: permuting rows leaves the loss and metrics unchanged and permutes gradients.
+  logp, old, adv, mask = random_batch(7, dtype, B=8, scale=0.1)
+  eps = dict(eps_low=0.05, eps_high=0.05)
+  perm = np.random.default_rng(7).permutation(8)
+  (l1, m1), g1 = jax.value_and_grad(lambda lp: LOSSES[name](lp, old, adv, mask, **eps),
+                                    has_aux=True)(logp)
+  (l2, m2), g2 = jax.value_and_grad(
+      lambda lp: LOSSES[name](lp, old[perm], adv[perm], mask[perm], **eps), has_aux=True)(
+          logp[perm])
+  np.testing.assert_allclose(l2, l1, **tol)
+  for k in m1:
+    np.testing.assert_allclose(m2[k], m1[k], err_msg=k, **tol)
+  np.testing.assert_allclose(g2, np.asarray(g1)[perm], **tol)
+
+
+def test_gspo_invariant_to_token_order_within_a_row(dtype, tol):
+  logp, old, adv, _ = random_batch(8, dtype, scale=0.1)
+  mask = jnp.ones(logp.shape)
+  perm = np.random.default_rng(8).permutation(logp.shape[1])
+  l1, _ = L.gspo_loss(logp, old, adv, mask, eps_low=0.05, eps_high=0.05)
+  l2, _ = L.gspo_loss(logp[:, perm], old[:, perm], adv, mask, eps_low=0.05, eps_high=0.05)
+  np.testing.assert_allclose(l2, l1, **tol)
+
+
+def test_seq_mean_equals_token_mean_when_lengths_are_equal(dtype, tol):
+  # Identity 8.
+  logp, old, adv, _ = random_batch(9, dtype, scale=0.2)
+  mask = jnp.ones(logp.shape)
+  a = L.grpo_loss(logp, old, adv, mask, aggregation="seq-mean-token-mean")[0]
+  b = L.grpo_loss(logp, old, adv, mask, aggregation="token-mean")[0]
+  np.testing.assert_allclose(a, b, **tol)
+
+
+# -------------------------------------------------------------------------- KL term
+
+
+def test_kl_estimators_hand_values(dtype, tol):
+  # d = ref - logp = [0.5, -1.0]:  k1 = -d, k2 = d^2/2, k3 = e^d - d - 1.
+  logp = arr([[-1.0, -2.0, 4.0]], dtype)
+  ref = arr([[-0.5, -3.0, np.nan]], dtype)
+  mask = jnp.asarray([[1, 1, 0]])
+  d = np.array([0.5, -1.0])
+  want = {"k1": -d, "k2": d * d / 2, "k3": np.exp(d) - d - 1}
+  for est, w in want.items():
+    kl = L.kl_penalty(logp, ref, mask, estimator=est)
+    np.testing.assert_allclose(kl, [[w[0], w[1], 0.0]], **tol)
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_kl_term_adds_beta_times_aggregated_kl(name, dtype, tol):
+  logp, old, adv, mask = random_batch(11, dtype, scale=0.1)
+  ref = logp - 0.2 * jnp.abs(logp)
+  base, _ = LOSSES[name](logp, old, adv, mask)
+  with_ref_beta0, m0 = LOSSES[name](logp, old, adv, mask, ref_logp_BxT=ref)
+  np.testing.assert_allclose(with_ref_beta0, base, **tol)  # beta = 0 by default
+  loss, m = LOSSES[name](logp, old, adv, mask, ref_logp_BxT=ref, kl_coef=0.25,
+                         kl_estimator="k2")
+  kl = L.aggregate(L.kl_penalty(logp, ref, mask, estimator="k2"), mask)
+  np.testing.assert_allclose(loss, base + 0.25 * kl, **tol)
+  np.testing.assert_allclose(m["kl"], kl, **tol)
+  # The reference is a constant: no gradient reaches it.
+  g_ref = jax.grad(lambda r: LOSSES[name](logp, old, adv, mask, ref_logp_BxT=r, kl_coef=0.25)[0])(
+      ref)
+  assert np.all(np.asarray(g_ref) == 0)
+
+
+# ------------------------------------------------------------------- transformations
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_jit_vmap_grad(name, dtype, tol):
+  logp, old, adv, mask = random_batch(12, dtype, scale=0.1)
+  eps = dict(eps_low=0.05, eps_high=0.05)
+  f = functools.partial(LOSSES[name], **eps)
+  eager, eager_m = f(logp, old, adv, mask)
+  jitted, jitted_m = jax.jit(f)(logp, old, adv, mask)
+  np.testing.assert_allclose(jitted, eager, **tol)
+  for k in eager_m:
+    np.testing.assert_allclose(jitted_m[k], eager_m[k], err_msg=k, **tol)
+  # vmap over an extra leading axis (K independent minibatches).
+  stack = lambda *xs: jnp.stack(xs)
+  batches = [random_batch(s, dtype, scale=0.1) for s in (20, 21, 22)]
+  vm, vm_m = jax.vmap(f)(*[stack(*parts) for parts in zip(*batches)])
+  for i, b in enumerate(batches):
+    li, mi = f(*b)
+    np.testing.assert_allclose(vm[i], li, **tol)
+    np.testing.assert_allclose(vm_m["clip_frac_token"][i], mi["clip_frac_token"], **tol)
+  g = jax.jit(jax.grad(lambda lp: f(lp, old, adv, mask)[0]))(logp)
+  np.testing.assert_allclose(g, jax.grad(lambda lp: f(lp, old, adv, mask)[0])(logp), **tol)
+  assert np.all(np.isfinite(g))
+
+
+def test_building_blocks_jit_vmap_grad(dtype, tol):
+  logp, old, _, mask = random_batch(13, dtype)
+  for f in (L.sequence_log_ratio,
+            lambda a, b, m: L.kl_penalty(a, b, m),
+            lambda a, b, m: L.aggregate(a - b, m, mode="token-mean")):
+    np.testing.assert_allclose(jax.jit(f)(logp, old, mask), f(logp, old, mask), **tol)
+    vm = jax.vmap(f)(jnp.stack([logp, old]), jnp.stack([old, logp]), jnp.stack([mask, mask]))
+    np.testing.assert_allclose(vm[1], f(old, logp, mask), **tol)
+    g = jax.grad(lambda x: jnp.sum(f(x, old, mask)))(logp)
+    assert np.all(np.isfinite(g)) and np.all(np.asarray(g)[np.asarray(mask) == 0] == 0)
+
+
+# ------------------------------------------------------------------------ edge cases
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_all_rows_empty(name, dtype):
+  logp, old, adv, _ = random_batch(14, dtype)
+  mask = jnp.zeros(logp.shape)
+  (loss, m), g = jax.value_and_grad(lambda lp: LOSSES[name](lp, old, adv, mask), has_aux=True)(logp)
+  assert float(loss) == 0.0 and np.all(np.asarray(g) == 0)
+  assert float(m["num_seqs"]) == 0 and float(m["num_tokens"]) == 0
+  assert all(np.isfinite(float(v)) for v in m.values())
+  assert float(m["ratio_min"]) == 1.0 and float(m["clip_frac_token"]) == 0.0
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_single_token_responses(name, dtype, tol):
+  # T = 1: s_i = w_i1, so all three losses coincide (one token per row).
+  logp, old, adv, mask = random_batch(15, dtype, T=1, scale=0.1)
+  eps = dict(eps_low=0.05, eps_high=0.06)
+  loss, _ = LOSSES[name](logp, old, adv, mask, **eps)
+  ref, _ = L.gspo_loss(logp, old, adv, mask, **eps)
+  np.testing.assert_allclose(loss, ref, **tol)
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_far_off_policy_no_overflow(name, sign, dtype):
+  # Log-ratios of +-50 per token (s = e^{+-50}): finite loss, finite gradients.
+  logp, _, adv, mask = random_batch(16, dtype)
+  old = logp - sign * 50.0
+  (loss, m), g = jax.value_and_grad(lambda lp: LOSSES[name](lp, old, adv, mask), has_aux=True)(logp)
+  assert np.isfinite(float(loss)) and np.all(np.isfinite(np.asarray(g)))
+  assert all(np.isfinite(float(v)) for v in m.values())
+  # Rows whose advantage pushes further away are clipped whole and get zero gradient.
+  a, g = np.asarray(adv), np.asarray(g)
+  pushes_away = (a > 0) if sign > 0 else (a < 0)
+  assert np.all(g[pushes_away] == 0)
+
+
+def test_gspo_value_is_continuous_at_the_clip_boundary(dtype):
+  # Identity 10: at s on a bound both branches agree, so the value is continuous.
+  logp = arr([[0.0]], dtype)
+  for adv, log_s in ((1.0, math.log(1.2)), (-1.0, math.log(0.8))):
+    old = arr([[-log_s]], dtype)
+    vals = [float(L.gspo_loss(logp, old + d, arr([adv], dtype), jnp.ones((1, 1)), eps_low=0.2,
+                              eps_high=0.2)[0]) for d in (-1e-4, 0.0, 1e-4)]
+    assert abs(vals[0] - vals[1]) < 1e-3 and abs(vals[2] - vals[1]) < 1e-3
+
+
+def test_bf16_inputs_are_computed_in_float32():
+  logp, old, adv, mask = random_batch(17, np.float32, scale=0.1)
+  loss16, m16 = L.gspo_loss(logp.astype(jnp.bfloat16), old.astype(jnp.bfloat16), adv, mask)
+  assert loss16.dtype == jnp.float32 and m16["ratio_mean"].dtype == jnp.float32
+
+
+# ------------------------------------------------------------------------ bad input
+
+
+def _bad_input_cases():
+  logp = jnp.zeros((2, 3))
+  adv = jnp.zeros(2)
+  mask = jnp.ones((2, 3))
+  return [
+      ("old_logp_BxT", lambda: L.gspo_loss(logp, jnp.zeros((2, 4)), adv, mask)),
+      ("mask_BxT", lambda: L.gspo_loss(logp, logp, adv, jnp.ones((3, 3)))),
+      ("adv_B", lambda: L.gspo_loss(logp, logp, jnp.zeros(3), mask)),
+      ("gspo_token_loss", lambda: L.gspo_loss(logp, logp, jnp.zeros((2, 3)), mask)),
+      ("adv", lambda: L.gspo_token_loss(logp, logp, jnp.zeros((2, 4)), mask)),
+      ("adv", lambda: L.grpo_loss(logp, logp, jnp.zeros(5), mask)),
+      ("logp_BxT", lambda: L.gspo_loss(jnp.zeros((2, 3, 1)), logp, adv, mask)),
+      ("logp_BxT", lambda: L.gspo_loss(jnp.zeros((2, 3), jnp.int32), logp, adv, mask)),
+      ("mask_BxT", lambda: L.gspo_loss(logp, logp, adv, jnp.full((2, 3), 0.5))),
+      ("mask_BxT", lambda: L.grpo_loss(logp, logp, adv, jnp.asarray([[1, 2, 0], [1, 1, 1]]))),
+      ("mask_BxT", lambda: L.sequence_log_ratio(logp, logp, -mask)),
+      ("eps_low", lambda: L.gspo_loss(logp, logp, adv, mask, eps_low=0.0)),
+      ("eps_high", lambda: L.gspo_token_loss(logp, logp, adv, mask, eps_high=-1e-4)),
+      ("eps_low", lambda: L.grpo_loss(logp, logp, adv, mask, eps_low=-0.2)),
+      ("aggregation", lambda: L.grpo_loss(logp, logp, adv, mask, aggregation="seq-mean")),
+      ("mode", lambda: L.aggregate(logp, mask, mode="token-sum")),
+      ("token_sum_norm", lambda: L.aggregate(logp, mask, mode="seq-mean-token-sum-norm",
+                                             token_sum_norm=0)),
+      ("kl_estimator", lambda: L.gspo_loss(logp, logp, adv, mask, ref_logp_BxT=logp,
+                                           kl_estimator="k4")),
+      ("ref_logp_BxT", lambda: L.gspo_loss(logp, logp, adv, mask, kl_coef=0.1)),
+      ("ref_logp_BxT", lambda: L.grpo_loss(logp, logp, adv, mask, ref_logp_BxT=jnp.zeros((2, 2)),
+                                           kl_coef=0.1)),
+  ]
+
+
+@pytest.mark.parametrize("case", range(len(_bad_input_cases())))
+def test_bad_input_names_the_argument(case):
+  name, call = _bad_input_cases()[case]
+  with pytest.raises(ValueError, match=name):
+    call()
+
+
+def test_shape_errors_also_raise_under_jit():
+  f = jax.jit(lambda lp, o, a, m: L.gspo_loss(lp, o, a, m)[0])
+  with pytest.raises(ValueError, match="old_logp_BxT"):
+    f(jnp.zeros((2, 3)), jnp.zeros((2, 4)), jnp.zeros(2), jnp.ones((2, 3)))
+  # Traced eps cannot be checked (a schedule may produce it) but works.
+  g = jax.jit(lambda e: L.gspo_loss(jnp.zeros((2, 3)), jnp.zeros((2, 3)), jnp.ones(2),
+                                    jnp.ones((2, 3)), eps_low=e, eps_high=e)[0])
+  assert float(g(0.1)) == -1.0
+
+
+def test_bool_mask_equals_float_mask(dtype, tol):
+  logp, old, adv, mask = random_batch(18, dtype, scale=0.1)
+  a, _ = L.gspo_loss(logp, old, adv, mask)
+  b, _ = L.gspo_loss(logp, old, adv, mask.astype(bool))
+  np.testing.assert_allclose(a, b, **tol)
