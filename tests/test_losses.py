@@ -98,6 +98,23 @@ def test_gspo_hand_values(dtype, tol):
   np.testing.assert_allclose(m["approx_kl"], np.mean([math.exp(x) - 1 - x for x in ls]), **tol)
 
 
+@pytest.mark.parametrize("name", ["gspo", "gspo_token"])
+def test_gspo_asymmetric_clip_range(name, dtype, tol):
+  # Same batch, eps_low = 0.3, eps_high = 0.7: range [0.7, 1.7].
+  # row2: s = e^-0.3 = 0.741 >= 0.7 -> no longer clipped: s A = -2 e^-0.3
+  # row3: s = e^0.5 = 1.649 <= 1.7  -> no longer clipped: s A = 0.5 e^0.5
+  logp, old, adv, mask = hand_batch(dtype)
+  loss, m = LOSSES[name](logp, old, adv, mask, eps_low=0.3, eps_high=0.7)
+  expected = -(math.exp(0.1) - math.exp(0.3) - 2 * math.exp(-0.3) + 0.5 * math.exp(0.5)) / 4
+  np.testing.assert_allclose(loss, expected, **tol)
+  assert float(m["clip_frac_seq"]) == 0.0
+  # eps_low = 0.25 (bound 0.75) clips row 2 again, eps_high = 0.6 (bound 1.6) clips row 3;
+  # the bounds themselves are the clipped values: 0.75 * -2 and 1.6 * 0.5.
+  loss, m = LOSSES[name](logp, old, adv, mask, eps_low=0.25, eps_high=0.6)
+  np.testing.assert_allclose(loss, -(math.exp(0.1) - math.exp(0.3) - 1.5 + 0.8) / 4, **tol)
+  np.testing.assert_allclose([m["clip_frac_seq_low"], m["clip_frac_seq_high"]], [0.25, 0.25], **tol)
+
+
 def _grpo_row_objectives():
   # Token ratios w = e^l, clip [0.8, 1.2]:
   # row0 (A=+1): e^0.1 kept, e^-0.2 = 0.819 kept (A>0: only the high side clips), e^0.4 = 1.49 -> 1.2
@@ -318,6 +335,17 @@ def test_seq_mean_equals_token_mean_when_lengths_are_equal(dtype, tol):
   np.testing.assert_allclose(a, b, **tol)
 
 
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_old_logp_is_a_constant(name, dtype):
+  # pi_old is the sampling policy: no gradient may flow into it, even when the caller
+  # passes a differentiable array.
+  logp, old, adv, mask = random_batch(10, dtype, scale=0.1)
+  g_old = jax.grad(lambda o: LOSSES[name](logp, o, adv, mask)[0])(old)
+  assert np.all(np.asarray(g_old) == 0)
+  g_seq = jax.grad(lambda o: jnp.sum(L.sequence_log_ratio(logp, o, mask)))(old)
+  assert np.all(np.asarray(g_seq) == 0)
+
+
 # -------------------------------------------------------------------------- KL term
 
 
@@ -426,6 +454,18 @@ def test_far_off_policy_no_overflow(name, sign, dtype):
   a, g = np.asarray(adv), np.asarray(g)
   pushes_away = (a > 0) if sign > 0 else (a < 0)
   assert np.all(g[pushes_away] == 0)
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_overflowed_clipped_ratio_leaks_no_nan_into_the_gradient(name):
+  # float32 exp overflows past log-ratio ~88. A row pushed that far in the direction its
+  # advantage rewards is clipped: the loss stays finite and its gradient is exactly 0
+  # (a plain min(r A, clip(r) A) would give d/dl = 0 * inf = NaN).
+  logp, _, _, mask = random_batch(19, np.float32)
+  adv = jnp.ones(logp.shape[0])
+  old = logp - 100.0
+  (loss, _), g = jax.value_and_grad(lambda lp: LOSSES[name](lp, old, adv, mask), has_aux=True)(logp)
+  assert np.isfinite(float(loss)) and np.all(np.asarray(g) == 0)
 
 
 def test_gspo_value_is_continuous_at_the_clip_boundary(dtype):

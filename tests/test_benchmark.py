@@ -1,0 +1,20 @@
+"""The benchmark script runs end to end at toy sizes (it measures; it asserts no speed)."""
+
+import json
+import os
+import runpy
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_benchmark_logprobs_runs(tmp_path, monkeypatch, capsys):
+  argv = ["benchmark.py", "--out", str(tmp_path), "logprobs", "--batch", "2", "--tokens", "16",
+          "--width", "8", "--vocab", "64", "--chunk", "4", "--repeats", "1"]
+  monkeypatch.setattr(sys, "argv", argv)
+  runpy.run_path(os.path.join(ROOT, "experiments", "benchmark.py"), run_name="__main__")
+  record = json.load(open(tmp_path / "benchmark_logprobs.json"))
+  result = record["result"]
+  assert result["abs_diff_sum_logp"] < 1e-3
+  assert result["plain"]["temp_bytes"] > 0 and result["lean"]["temp_bytes"] > 0
+  assert "memory plain/lean" in capsys.readouterr().out
