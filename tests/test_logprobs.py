@@ -97,3 +97,16 @@ def test_bad_input():
   with pytest.raises(ValueError, match="chunk_size"):
     token_logprobs_from_hidden(jnp.zeros((2, 3, 4)), jnp.zeros((4, 7)), jnp.zeros((2, 3), jnp.int32),
                                chunk_size=0)
+
+
+def test_plain_jit_vmap_grad(dtype, tol):
+  rng = np.random.default_rng(2)
+  logits = jnp.asarray(rng.normal(size=(3, 2, 4, 7)).astype(dtype))
+  tok = jnp.asarray(rng.integers(0, 7, (3, 2, 4)))
+  eager = token_logprobs(logits, tok)
+  np.testing.assert_allclose(jax.jit(token_logprobs)(logits, tok), eager, **tol)
+  np.testing.assert_allclose(jax.vmap(token_logprobs)(logits, tok), eager, **tol)
+  # d logp / d logits = onehot - softmax.
+  g = jax.grad(lambda x: jnp.sum(token_logprobs(x, tok)))(logits)
+  want = jax.nn.one_hot(tok, 7, dtype=logits.dtype) - jax.nn.softmax(logits)
+  np.testing.assert_allclose(g, want, **tol)
