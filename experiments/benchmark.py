@@ -2,6 +2,7 @@
 
     python experiments/benchmark.py peak       # measured matmul FLOP/s (the ceiling)
     python experiments/benchmark.py logprobs   # lean vs plain token log-probs: memory, time
+    python experiments/benchmark.py sampler    # in-graph group sampler vs a host-driven loop
 
 Figures are measured in one process; ratios compare runs of the same process on the
 same input. Machines are noisy: rerun before trusting a small difference.
@@ -10,6 +11,7 @@ same input. Machines are noisy: rerun before trusting a small difference.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -106,6 +108,107 @@ def bench_logprobs(args) -> dict:
   return out
 
 
+def _host_loop_sampler(model, cfg):
+  """Baseline: a jitted prefill and a jitted one-token step driven from Python, checking
+  on the host after every token whether all responses ended (as HF-style loops do)."""
+  from flax import nnx
+
+  from gspo_jax import sampling
+  from gspo_jax.models.transformer import KVCache
+
+  @nnx.jit
+  def prefill(model, prompts, lens, key):
+    B, P = prompts.shape
+    pos = jnp.broadcast_to(jnp.arange(P), (B, P))
+    valid = pos < lens[:, None]
+    out = model(prompts, pos, valid)
+    last = jnp.take_along_axis(out.hidden_BxSxD, (lens - 1)[:, None, None], 1)[:, 0]
+    logits = jnp.broadcast_to(model.logits(last)[:, None], (B, cfg.group_size, model.cfg.vocab_size))
+    token, logp = sampling._pick(logits, key, cfg)
+    return token, logp, KVCache.from_prefill(out, valid, cfg.group_size, cfg.max_new_tokens)
+
+  @nnx.jit
+  def step(model, token, done, positions, cache, key):
+    hidden, cache = model.decode(token, positions, cache)
+    token, logp = sampling._pick(model.logits(hidden), key, cfg)
+    token = jnp.where(done, cfg.pad_id, token)  # same bookkeeping as the in-graph sampler
+    return token, done | (token == cfg.eos_id), cache
+
+  def run(prompts, lens, key):
+    token, logp, cache = prefill(model, prompts, lens, jax.random.fold_in(key, 0))
+    tokens, done = [token], token == cfg.eos_id
+    for t in range(1, cfg.max_new_tokens):
+      if bool(jnp.all(done)):  # host round trip every token
+        break
+      positions = jnp.broadcast_to(lens[:, None] + t - 1, token.shape)
+      token, done, cache = step(model, token, done, positions, cache, jax.random.fold_in(key, t))
+      tokens.append(token)
+    return jnp.stack(tokens, -1)
+
+  return run
+
+
+def bench_sampler(args) -> dict:
+  from gspo_jax import sampling
+  from gspo_jax.models import config, transformer
+
+  mcfg = config.tiny(vocab_size=args.vocab, hidden=args.width, num_layers=args.layers,
+                     mlp_dim=4 * args.width, num_heads=4, num_kv_heads=2, head_dim=args.width // 4)
+  model = transformer.create(mcfg)
+  B, P, G, T = args.prompts, args.prompt_len, args.group, args.new_tokens
+  rng = np.random.default_rng(0)
+  prompts = jnp.asarray(rng.integers(2, args.vocab, (B, P)), jnp.int32)
+  lens = jnp.full((B,), P, jnp.int32)
+  scfg = sampling.SamplerConfig(group_size=G, max_new_tokens=T, eos_id=args.vocab - 1,
+                                max_prompt_len=P)
+  key = jax.random.key(0)
+  t0 = time.perf_counter()
+  rollout = jax.block_until_ready(sampling.sample_groups(model, prompts, lens, key, scfg))
+  compile_s = time.perf_counter() - t0
+  steps = int(rollout.steps)  # decode steps run (all rows advance in lockstep)
+  in_graph = timed(lambda: sampling.sample_groups(model, prompts, lens, key, scfg),
+                   repeats=args.repeats)
+  host = _host_loop_sampler(model, scfg)
+  t0 = time.perf_counter()
+  host_tokens = jax.block_until_ready(host(prompts, lens, key))
+  host_first_s = time.perf_counter() - t0
+  # Same keys, same computation: the baseline must produce the same tokens.
+  same = np.array_equal(np.asarray(host_tokens), np.asarray(rollout.tokens_BxGxT)[..., :steps])
+  host_s = timed(lambda: host(prompts, lens, key), repeats=args.repeats)
+  # Prefill once per prompt and share its cache (G responses) vs repeat each prompt G times.
+  rep_cfg = dataclasses.replace(scfg, group_size=1)
+  rep_prompts, rep_lens = jnp.repeat(prompts, G, 0), jnp.repeat(lens, G)
+  repeated = timed(lambda: sampling.sample_groups(model, rep_prompts, rep_lens, key, rep_cfg),
+                   repeats=args.repeats)
+  tokens = B * G * steps
+  out = {"model": dataclasses.asdict(mcfg), "B": B, "P": P, "G": G, "T": T, "steps": steps,
+         "host_loop_tokens_equal_in_graph": same,
+         "params": sum(x.size for x in jax.tree.leaves(nnx_params(model))),
+         "in_graph_seconds": in_graph, "in_graph_tokens_per_s": tokens / in_graph,
+         "in_graph_first_call_seconds": compile_s,
+         "host_loop_seconds": host_s, "host_loop_tokens_per_s": tokens / host_s,
+         "host_loop_first_call_seconds": host_first_s,
+         "speedup_in_graph_over_host_loop": host_s / in_graph,
+         "repeated_prompt_seconds": repeated,
+         "speedup_shared_prefix_over_repeated": repeated / in_graph}
+  print(f"sampler: {out['params'] / 1e6:.2f}M-param model (hidden {args.width}, {args.layers} layers, "
+        f"vocab {args.vocab}); B={B} prompts x G={G}, prompt {P} tokens, {steps} of max {T} new "
+        f"tokens; host loop output identical: {same}")
+  print(f"{'variant':34} {'seconds':>8} {'tokens/s':>10} {'first call s':>13}")
+  print(f"{'in-graph (shared prefix)':34} {in_graph:8.3f} {tokens / in_graph:10.0f} {compile_s:13.2f}")
+  print(f"{'host loop of jitted 1-token steps':34} {host_s:8.3f} {tokens / host_s:10.0f} "
+        f"{host_first_s:13.2f}")
+  print(f"{'in-graph, prompt repeated G times':34} {repeated:8.3f} {tokens / repeated:10.0f}")
+  print(f"in-graph / host loop: {out['speedup_in_graph_over_host_loop']:.2f}x faster; "
+        f"shared prefix / repeated prompts: {out['speedup_shared_prefix_over_repeated']:.2f}x faster")
+  return out
+
+
+def nnx_params(model):
+  from flax import nnx
+  return nnx.state(model, nnx.Param)
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--out", default=RESULTS, help="directory for the JSON record")
@@ -120,8 +223,17 @@ def main(argv=None):
   p.add_argument("--vocab", type=int, default=151936)  # Qwen3's vocabulary
   p.add_argument("--chunk", type=int, default=128)
   p.add_argument("--repeats", type=int, default=3)
+  p = sub.add_parser("sampler", help="in-graph group sampler vs a host-driven loop")
+  p.add_argument("--prompts", type=int, default=4)
+  p.add_argument("--prompt-len", type=int, default=256)
+  p.add_argument("--group", type=int, default=8)
+  p.add_argument("--new-tokens", type=int, default=64)
+  p.add_argument("--width", type=int, default=128)
+  p.add_argument("--layers", type=int, default=2)
+  p.add_argument("--vocab", type=int, default=256)
+  p.add_argument("--repeats", type=int, default=3)
   args = parser.parse_args(argv)
-  result = {"peak": bench_peak, "logprobs": bench_logprobs}[args.cmd](args)
+  result = {"peak": bench_peak, "logprobs": bench_logprobs, "sampler": bench_sampler}[args.cmd](args)
   record = {"command": "python experiments/benchmark.py " + " ".join(argv or sys.argv[1:]),
             "args": vars(args),
             "machine": machine(), "result": result}

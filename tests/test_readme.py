@@ -29,3 +29,12 @@ def test_own_train_step_snippet_runs():
   # Two minibatch steps were taken; the second is off-policy (ratios moved off 1).
   assert float(metrics["ratio_max"]) != 1.0
   assert float(metrics["num_seqs"]) == 8 and float(metrics["num_tokens"]) == 38
+
+
+def test_sampler_snippet_runs():
+  namespace = {}
+  exec(compile(snippet("sampler"), "README.md:sampler", "exec"), namespace)
+  rollout, logp = namespace["rollout"], namespace["logp"]
+  assert rollout.tokens_BxGxT.shape == (2, 4, 16)
+  np.testing.assert_allclose(np.asarray(logp) * np.asarray(rollout.mask_BxGxT),
+                             rollout.logp_BxGxT, rtol=1e-5, atol=1e-5)

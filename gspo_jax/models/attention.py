@@ -1,0 +1,88 @@
+"""Grouped-query attention with optional per-head q/k RMSNorm (Qwen3) and RoPE.
+
+Legend: B rows, G responses sharing one prompt, S query positions, K key positions,
+D hidden, N query heads, C kv heads, R = N / C query heads per kv head, H head_dim.
+
+Keys come in up to two segments so that G responses can share one prompt's KV cache
+without copying it: a *shared* segment with one entry per prompt (B, K, C, H) and an
+*own* segment with one entry per response (B, G, K, C, H). Scores of both segments are
+softmaxed together (in float32), which is exactly attention over their concatenation.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from gspo_jax.models.config import ModelConfig
+from gspo_jax.models.layers import RMSNorm, param, rope
+
+Array = jax.Array
+Segment = tuple[Array, Array, Array]  # (k, v, mask broadcastable to (B, G, S, K))
+
+
+class Attention(nnx.Module):
+  """Projections and normalisation; the attention itself is `attend` (cache-agnostic)."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    D, N, C, H = cfg.hidden, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    pd = jnp.dtype(cfg.param_dtype)
+    self.dtype = jnp.dtype(cfg.dtype)
+    self.theta = cfg.rope_theta
+    self.q = param(rngs, (D, N, H), ("embed", "heads", "head_dim"), pd)
+    self.k = param(rngs, (D, C, H), ("embed", "kv_heads", "head_dim"), pd)
+    self.v = param(rngs, (D, C, H), ("embed", "kv_heads", "head_dim"), pd)
+    self.o = param(rngs, (N, H, D), ("heads", "head_dim", "embed"), pd, fan_in=N * H)
+    norm = lambda: RMSNorm(H, eps=cfg.rms_eps, axis_name="head_dim", param_dtype=pd, rngs=rngs)
+    self.q_norm = norm() if cfg.qk_norm else None
+    self.k_norm = norm() if cfg.qk_norm else None
+
+  def qkv(self, x_BxSxD: Array, positions_BxS: Array) -> tuple[Array, Array, Array]:
+    """q (B, S, N, H), k and v (B, S, C, H); q/k normalised per head, then rotated."""
+    x = x_BxSxD.astype(self.dtype)
+    w = lambda p: p[...].astype(self.dtype)
+    q = jnp.einsum("bsd,dnh->bsnh", x, w(self.q))
+    k = jnp.einsum("bsd,dch->bsch", x, w(self.k))
+    v = jnp.einsum("bsd,dch->bsch", x, w(self.v))
+    if self.q_norm is not None:
+      q, k = self.q_norm(q), self.k_norm(k)
+    return rope(q, positions_BxS, self.theta), rope(k, positions_BxS, self.theta), v
+
+  def out(self, o_BxSxNxH: Array) -> Array:
+    return jnp.einsum("bsnh,nhd->bsd", o_BxSxNxH.astype(self.dtype),
+                      self.o[...].astype(self.dtype))
+
+
+def attend(q_BxGxSxNxH: Array, *, shared: Segment | None = None,
+           own: Segment | None = None) -> Array:
+  """softmax(q k^T / sqrt(H) + mask) v over the shared and own key segments.
+
+  Args:
+    q_BxGxSxNxH: queries, heads in HF order (query head n uses kv head n // R).
+    shared: (k_BxKxCxH, v_BxKxCxH, mask) keys common to the G responses of a row.
+    own: (k_BxGxKxCxH, v_BxGxKxCxH, mask) keys of each response.
+    Masks are bool, broadcastable to (B, G, S, K); True = may attend.
+  Returns:
+    o_BxGxSxNxH in the query dtype.
+  """
+  B, G, S, N, H = q_BxGxSxNxH.shape
+  C = (shared or own)[0].shape[-2]
+  q = q_BxGxSxNxH.reshape(B, G, S, C, N // C, H) * (H ** -0.5)
+  neg = jnp.finfo(jnp.float32).min  # finite: a fully masked (padding) query gives no NaN
+  scores, values = [], []
+  for seg, spec in ((shared, "bkch"), (own, "bgkch")):
+    if seg is None:
+      continue
+    k, v, mask = seg
+    s = jnp.einsum(f"bgscrh,{spec}->bgcrsk", q, k, preferred_element_type=jnp.float32)
+    m = jnp.broadcast_to(mask, (B, G, S, k.shape[-3]))[:, :, None, None]
+    scores.append(jnp.where(m, s, neg))
+    values.append((v, spec))
+  p = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1).astype(q.dtype)
+  out, start = 0, 0
+  for s, (v, spec) in zip(scores, values):
+    K = s.shape[-1]
+    out = out + jnp.einsum(f"bgcrsk,{spec}->bgscrh", p[..., start:start + K], v)
+    start += K
+  return out.reshape(B, G, S, N, H)

@@ -1,0 +1,208 @@
+"""Mixture-of-experts feed-forward block, exactly as Hugging Face Qwen3-MoE (dropless, top-k).
+
+Legend: B batch, S sequence, D hidden (residual width), E experts, K experts per token,
+N = B*S tokens, A = N*K token-to-expert assignments, M = moe_mlp_dim.
+
+  logits_NxE = x_NxD @ router_DxE                      (compute dtype, no bias)
+  probs_NxE  = softmax(float32(logits)) over ALL E experts   (float64 in float64 runs)
+  w_NxK, e_NxK = top_k(probs, K); if norm_topk_prob: w /= sum_k w   (then cast to compute dtype)
+  y_n = sum_k w_nk * down_e(silu(x_n @ gate_e) * (x_n @ up_e)),   e = e_nk
+  aux = E * sum_e f_e * P_e   (Switch load balancing, float32, over valid tokens only)
+        f_e = #{(n, k): e_nk = e} / #tokens   (so sum_e f_e = K),  P_e = mean_n probs_ne
+
+Every token goes to exactly K experts (no capacity, nothing dropped), so this matches HF;
+a capacity-factor dispatch would not. Two interchangeable dispatch paths (cfg.moe_dispatch):
+  "dense":  every expert runs on every token; an [N, E] combine matrix keeps the chosen
+            ones. Exact and simple, E/K times the FLOPs: the test reference, fine for small E.
+  "ragged": assignments sorted by expert, jax.lax.ragged_dot per expert group, unsorted.
+            K/E of the dense FLOPs; the one for real sizes (preset qwen3_30b_a3b: E=128, K=8).
+
+Routing Replay (`replay_BxSxK`): use given expert indices (those the old / rollout policy
+chose) instead of the router's top-k; the weights are still the current router's
+probabilities at those experts, so the router keeps its gradient. This is the workaround
+GRPO needs to stay stable on MoE models, and the baseline the GSPO paper compares against:
+GSPO's sequence-level ratio makes it unnecessary.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from gspo_jax import _checks
+from gspo_jax.models.config import ModelConfig
+from gspo_jax.models.layers import param
+
+Array = jax.Array
+
+
+def _router_dtype(dtype) -> jnp.dtype:
+  """float32, or float64 when the compute dtype is float64."""
+  return jnp.promote_types(dtype, jnp.float32)
+
+
+def route(x_NxD: Array, router_DxE: Array, k: int, *, norm_topk_prob: bool,
+          replay_NxK: Array | None = None) -> tuple[Array, Array, Array]:
+  """Router: returns (weights_NxK in x's dtype, indices_NxK int32, probs_NxE float32).
+
+  logits = x @ router in x's dtype; probs = softmax(float32 logits) over all experts (float64,
+  and so probs_NxE, in float64 runs); indices = top_k(probs) or `replay_NxK`; weights = probs
+  at those indices, divided by their sum when `norm_topk_prob`.
+  Out-of-range replay indices (negative ones included) give NaN weights (take_along_axis
+  "fill" mode), so under jit, where MoE cannot check values, a bad replay shows up as NaN in
+  that token's output instead of routing silently.
+  """
+  logits_NxE = x_NxD @ router_DxE.astype(x_NxD.dtype)
+  # HF takes the softmax in float32 whatever the model dtype: bf16 probabilities would make
+  # near-ties in the top-k (and the aux loss) depend on rounding. float64 runs keep float64
+  # (promote, never demote), so they can check the rest of the block to 1e-12.
+  probs_NxE = jax.nn.softmax(logits_NxE.astype(_router_dtype(x_NxD.dtype)), axis=-1)
+  if replay_NxK is None:
+    weights_NxK, indices_NxK = jax.lax.top_k(probs_NxE, k)
+  else:
+    indices_NxK = replay_NxK.astype(jnp.int32)
+    weights_NxK = jnp.take_along_axis(probs_NxE, indices_NxK, axis=-1, mode="fill",
+                                      wrap_negative_indices=False)
+  if norm_topk_prob:
+    weights_NxK = weights_NxK / jnp.sum(weights_NxK, axis=-1, keepdims=True)
+  return weights_NxK.astype(x_NxD.dtype), indices_NxK.astype(jnp.int32), probs_NxE
+
+
+def _expert_mlp_dense(x_NxD: Array, gate_ExDxM: Array, up_ExDxM: Array,
+                      down_ExMxD: Array) -> Array:
+  """y_NxExD[n, e] = down_e(silu(x_n @ gate_e) * (x_n @ up_e)) for every (token, expert)."""
+  g_NxExM = jnp.einsum("nd,edm->nem", x_NxD, gate_ExDxM)
+  u_NxExM = jnp.einsum("nd,edm->nem", x_NxD, up_ExDxM)
+  return jnp.einsum("nem,emd->ned", jax.nn.silu(g_NxExM) * u_NxExM, down_ExMxD)
+
+
+def _dense_dispatch(x_NxD: Array, weights_NxK: Array, indices_NxK: Array, gate_ExDxM: Array,
+                    up_ExDxM: Array, down_ExMxD: Array) -> Array:
+  """Reference: all experts on all tokens, y_n = sum_e combine_ne * y_ne.
+
+  combine_NxE = sum_k one_hot(e_nk) * w_nk is zero for unchosen experts. The weight is applied
+  after `down`, as HF does, so the rounding order matches HF and the ragged path.
+  """
+  E = gate_ExDxM.shape[0]
+  combine_NxE = jnp.sum(jax.nn.one_hot(indices_NxK, E, dtype=weights_NxK.dtype)
+                        * weights_NxK[:, :, None], axis=1)
+  y_NxExD = _expert_mlp_dense(x_NxD, gate_ExDxM, up_ExDxM, down_ExMxD)
+  return jnp.einsum("ned,ne->nd", y_NxExD, combine_NxE)
+
+
+def _ragged_dispatch(x_NxD: Array, weights_NxK: Array, indices_NxK: Array, gate_ExDxM: Array,
+                     up_ExDxM: Array, down_ExMxD: Array) -> Array:
+  """Sort the A = N*K assignments by expert, one ragged_dot per weight, unsort, weight-sum.
+
+  Static shapes throughout: the A sorted rows are split into E contiguous groups whose
+  sizes (bincount, length E, zeros allowed) are data, not shapes, so this jits and grads.
+  """
+  N, K = indices_NxK.shape
+  E = gate_ExDxM.shape[0]
+  expert_A = indices_NxK.reshape(N * K)
+  # Bad (out-of-range) replay indices cannot shift other tokens' groups: jnp.bincount counts
+  # negatives as 0 (they also sort first, into expert 0's group) and drops values >= E (they
+  # sort last, past every group, and come out as zero rows). Their NaN weight flags them.
+  # Stable sort: within one expert the rows keep token order (deterministic, like HF's loop).
+  order_A = jnp.argsort(expert_A, stable=True)
+  sizes_E = jnp.bincount(expert_A, length=E).astype(jnp.int32)
+  xs_AxD = x_NxD[order_A // K]  # assignment a = n*K + k belongs to token n
+  g_AxM = jax.lax.ragged_dot(xs_AxD, gate_ExDxM, sizes_E)
+  u_AxM = jax.lax.ragged_dot(xs_AxD, up_ExDxM, sizes_E)
+  ys_AxD = jax.lax.ragged_dot(jax.nn.silu(g_AxM) * u_AxM, down_ExMxD, sizes_E)
+  # Unsort with the inverse permutation (a gather; its gradient is a scatter-add).
+  y_NxKxD = ys_AxD[jnp.argsort(order_A)].reshape(N, K, -1)
+  return jnp.einsum("nkd,nk->nd", y_NxKxD, weights_NxK)
+
+
+_DISPATCH = {"dense": _dense_dispatch, "ragged": _ragged_dispatch}
+
+
+def load_balancing_loss(probs_NxE: Array, indices_NxK: Array, valid_N: Array) -> Array:
+  """Switch / HF load balancing E * sum_e f_e * P_e, padding excluded; a float32 scalar.
+
+  f_e = (assignments of valid tokens to e) / #valid, P_e = sum of probs over valid tokens / #valid.
+  Balanced routing gives ~K; all K on the same experts everywhere gives up to E. The count is
+  clamped to 1 so a fully padded batch gives 0, not NaN. f_e carries no gradient (it counts),
+  so the router learns through P_e. Under Routing Replay f_e counts the replayed (used) experts.
+  """
+  E, dtype = probs_NxE.shape[-1], probs_NxE.dtype
+  valid_N = valid_N.astype(dtype)
+  count = jnp.maximum(jnp.sum(valid_N), 1.0)
+  assigned_NxKxE = jax.nn.one_hot(indices_NxK, E, dtype=dtype)
+  f_E = jnp.sum(assigned_NxKxE * valid_N[:, None, None], axis=(0, 1)) / count
+  P_E = jnp.sum(probs_NxE * valid_N[:, None], axis=0) / count
+  return (E * jnp.sum(f_E * P_E)).astype(jnp.float32)
+
+
+def _check_replay(replay: Array, shape: tuple[int, int, int], num_experts: int) -> None:
+  """Shape and dtype at trace time; the index range only when the data is concrete."""
+  _checks.check_shape("MoE", "replay_BxSxK", replay, shape, "(B, S, experts_per_token)")
+  if not jnp.issubdtype(jnp.result_type(replay), jnp.integer):
+    raise ValueError(f"MoE: replay_BxSxK must hold integer expert indices; "
+                     f"got dtype {jnp.result_type(replay)}")
+  if _checks.is_concrete(replay):
+    values = np.asarray(replay)
+    if values.size and (values.min() < 0 or values.max() >= num_experts):
+      raise ValueError(f"MoE: replay_BxSxK must lie in [0, {num_experts}) (num_experts); "
+                       f"got min {values.min()}, max {values.max()}")
+
+
+class MoE(nnx.Module):
+  """Qwen3-MoE sparse block: router + E SwiGLU experts, top-K, dropless.
+
+  Parameters (logical axes): router (D, E) ("embed", "expert"); gate, up (E, D, M)
+  ("expert", "embed", "mlp"); down (E, M, D) ("expert", "mlp", "embed"). The router has no
+  bias; there are no shared experts (Qwen2-MoE had them, Qwen3-MoE does not).
+  """
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    if cfg.num_experts <= 0:
+      raise ValueError(f"MoE needs cfg.num_experts > 0; got {cfg.num_experts}")
+    _checks.check_choice("MoE", "cfg.moe_dispatch", cfg.moe_dispatch, tuple(_DISPATCH))
+    self.hidden = cfg.hidden
+    self.num_experts = cfg.num_experts
+    self.experts_per_token = cfg.experts_per_token
+    self.norm_topk_prob = cfg.norm_topk_prob
+    self.dispatch = cfg.moe_dispatch
+    self.dtype = jnp.dtype(cfg.dtype)
+    pdtype = jnp.dtype(cfg.param_dtype)
+    D, E, M = cfg.hidden, cfg.num_experts, cfg.moe_mlp_dim
+    self.router = param(rngs, (D, E), ("embed", "expert"), pdtype)
+    # fan_in is the contracted width, not shape[0] = E (std would be sqrt(D/E) times too big).
+    self.gate = param(rngs, (E, D, M), ("expert", "embed", "mlp"), pdtype, fan_in=D)
+    self.up = param(rngs, (E, D, M), ("expert", "embed", "mlp"), pdtype, fan_in=D)
+    self.down = param(rngs, (E, M, D), ("expert", "mlp", "embed"), pdtype, fan_in=M)
+
+  def __call__(self, x_BxSxD: Array, *, valid_BxS: Array | None = None,
+               replay_BxSxK: Array | None = None) -> tuple[Array, Array, Array]:
+    """Returns (y_BxSxD in the compute dtype, indices_BxSxK int32, aux_loss float32 scalar).
+
+    valid_BxS (bool or 0/1, None = all valid) only masks the aux-loss statistics: padded
+    tokens are still routed and computed (their outputs are ignored downstream).
+    replay_BxSxK: forced expert indices (Routing Replay); the returned indices are the ones
+    used, so feeding them back reproduces the output.
+    """
+    _checks.check_rank("MoE", "x_BxSxD", x_BxSxD, 3, "B, S, D")
+    B, S, D = x_BxSxD.shape
+    if D != self.hidden:
+      raise ValueError(f"MoE: x_BxSxD last dim must be hidden={self.hidden}; got {D}")
+    K, N = self.experts_per_token, B * S
+    if replay_BxSxK is not None:
+      _check_replay(replay_BxSxK, (B, S, K), self.num_experts)
+    if valid_BxS is None:
+      valid_N = jnp.ones((N,), bool)
+    else:
+      _checks.check_shape("MoE", "valid_BxS", valid_BxS, (B, S), "x_BxSxD[..., 0]")
+      _checks.check_mask("MoE", "valid_BxS", valid_BxS)
+      valid_N = jnp.asarray(valid_BxS).reshape(N) != 0
+    x_NxD = x_BxSxD.reshape(N, D).astype(self.dtype)
+    replay_NxK = None if replay_BxSxK is None else jnp.asarray(replay_BxSxK).reshape(N, K)
+    weights_NxK, indices_NxK, probs_NxE = route(
+        x_NxD, self.router[...], K, norm_topk_prob=self.norm_topk_prob, replay_NxK=replay_NxK)
+    experts = [w[...].astype(self.dtype) for w in (self.gate, self.up, self.down)]
+    y_NxD = _DISPATCH[self.dispatch](x_NxD, weights_NxK, indices_NxK, *experts)
+    aux = load_balancing_loss(probs_NxE, indices_NxK, valid_N)
+    return y_NxD.reshape(B, S, D), indices_NxK.reshape(B, S, K), aux

@@ -1,0 +1,244 @@
+"""In-graph group sampler: G responses per prompt in one compiled program.
+
+Legend: B prompts, G responses per prompt, P prompt positions, T response positions,
+V vocabulary, D hidden.
+
+Layout (shared with `response_logprobs`, which the trainer uses): prompts are
+right-padded to P with `prompt_lens_B` valid tokens; prompt token p sits at position p,
+response token t at position prompt_len + t.
+
+Each prompt is prefilled once and its KV cache is shared by its G responses (attention
+reads the prompt keys once per row instead of G copies). Decoding is a
+`lax.while_loop` that stops early once every response has emitted EOS.
+
+The returned log-probs are those of the temperature-scaled distribution *before* top-k /
+top-p truncation and vocabulary masking: log softmax(logits / temperature)[token], which is
+what a trainer recomputes with `response_logprobs(..., temperature=...)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from gspo_jax import _checks
+from gspo_jax.logprobs import token_logprobs_from_hidden
+from gspo_jax.models.transformer import KVCache, Transformer
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerConfig:
+  """Static sampler knobs (hashable: passed to jax.jit as a static argument).
+
+  top_k = 0 and top_p = 1.0 disable those filters. `vocab_limit` masks ids >= it (model
+  vocabularies are padded above the tokenizer's size).
+  """
+  group_size: int
+  max_new_tokens: int
+  eos_id: int
+  pad_id: int = 0
+  max_prompt_len: int = 512
+  temperature: float = 1.0
+  greedy: bool = False
+  top_k: int = 0
+  top_p: float = 1.0
+  vocab_limit: int | None = None
+
+  def __post_init__(self):
+    if not (isinstance(self.group_size, int) and self.group_size >= 1):
+      raise ValueError(f"SamplerConfig.group_size must be an int >= 1; got {self.group_size!r}")
+    if not (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1):
+      raise ValueError(f"SamplerConfig.max_new_tokens must be an int >= 1; got {self.max_new_tokens!r}")
+    if self.max_prompt_len < 1:
+      raise ValueError(f"SamplerConfig.max_prompt_len must be >= 1; got {self.max_prompt_len}")
+    if not self.greedy and not self.temperature > 0:
+      raise ValueError(f"SamplerConfig.temperature must be > 0 unless greedy=True; "
+                       f"got {self.temperature}")
+    if not 0 < self.top_p <= 1:
+      raise ValueError(f"SamplerConfig.top_p must be in (0, 1]; got {self.top_p}")
+    if self.top_k < 0:
+      raise ValueError(f"SamplerConfig.top_k must be >= 0 (0 = off); got {self.top_k}")
+    if self.vocab_limit is not None and self.vocab_limit <= max(self.eos_id, self.pad_id):
+      raise ValueError(f"SamplerConfig.vocab_limit ({self.vocab_limit}) must exceed eos_id and pad_id")
+
+
+@flax.struct.dataclass
+class Rollout:
+  """G responses per prompt. mask counts response tokens up to and including EOS."""
+  tokens_BxGxT: Array      # int32, pad_id after the end
+  mask_BxGxT: Array        # float32 0/1
+  logp_BxGxT: Array        # float32, sampler log-probs (0 where masked)
+  lengths_BxG: Array       # int32, counted tokens
+  eos_BxG: Array           # bool: ended with EOS
+  truncated_BxG: Array     # bool: hit max_new_tokens without EOS
+  steps: Array             # int32 scalar: tokens generated per response before the loop exited
+
+
+@flax.struct.dataclass
+class _LoopState:
+  t: Array                 # next response slot to fill
+  last_BxG: Array          # token sampled at t - 1
+  done_BxG: Array          # EOS already emitted
+  tokens_BxGxT: Array
+  logp_BxGxT: Array
+  cache: KVCache
+
+
+def _filter_logits(logits_NxV: Array, cfg: SamplerConfig) -> Array:
+  """Vocabulary limit, top-k and top-p (nucleus) filtering on already-tempered logits."""
+  neg = jnp.finfo(logits_NxV.dtype).min
+  V = logits_NxV.shape[-1]
+  if cfg.vocab_limit is not None and cfg.vocab_limit < V:
+    logits_NxV = jnp.where(jnp.arange(V) < cfg.vocab_limit, logits_NxV, neg)
+  if cfg.top_k and cfg.top_k < V:
+    kth = jax.lax.top_k(logits_NxV, cfg.top_k)[0][..., -1:]
+    logits_NxV = jnp.where(logits_NxV >= kth, logits_NxV, neg)
+  if cfg.top_p < 1:
+    sorted_desc = -jnp.sort(-logits_NxV, axis=-1)
+    probs = jax.nn.softmax(sorted_desc, axis=-1)
+    # Keep the smallest prefix whose mass reaches top_p: token i stays iff the mass
+    # before it is < top_p (so the top token always stays).
+    keep = (jnp.cumsum(probs, axis=-1) - probs) < cfg.top_p
+    cutoff = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1, keepdims=True)
+    logits_NxV = jnp.where(logits_NxV >= cutoff, logits_NxV, neg)
+  return logits_NxV
+
+
+def _pick(logits_BxGxV: Array, key: Array, cfg: SamplerConfig) -> tuple[Array, Array]:
+  """(token_BxG, logp_BxG) with logp from the tempered, unfiltered distribution."""
+  temp = 1.0 if cfg.greedy else cfg.temperature
+  scaled = logits_BxGxV.astype(jnp.float32) / temp
+  logp_all = jax.nn.log_softmax(scaled, axis=-1)
+  filtered = _filter_logits(scaled, cfg)
+  if cfg.greedy:
+    token = jnp.argmax(filtered, axis=-1)
+  else:
+    token = jax.random.categorical(key, filtered, axis=-1)
+  return token.astype(jnp.int32), jnp.take_along_axis(logp_all, token[..., None], -1)[..., 0]
+
+
+def _record(state: _LoopState, token_BxG, logp_BxG, cfg: SamplerConfig) -> _LoopState:
+  """Write slot t; responses that already ended get pad and log-prob 0."""
+  token = jnp.where(state.done_BxG, cfg.pad_id, token_BxG)
+  logp = jnp.where(state.done_BxG, 0.0, logp_BxG)
+  tokens = jax.lax.dynamic_update_slice_in_dim(state.tokens_BxGxT, token[..., None], state.t, 2)
+  logps = jax.lax.dynamic_update_slice_in_dim(state.logp_BxGxT, logp[..., None], state.t, 2)
+  return state.replace(t=state.t + 1, last_BxG=token, done_BxG=state.done_BxG | (token == cfg.eos_id),
+                       tokens_BxGxT=tokens, logp_BxGxT=logps)
+
+
+def _sample(graphdef, params, prompts_BxP, prompt_lens_B, key, cfg: SamplerConfig) -> Rollout:
+  model: Transformer = nnx.merge(graphdef, params)
+  B, P = prompts_BxP.shape
+  G, T = cfg.group_size, cfg.max_new_tokens
+  positions_BxP = jnp.broadcast_to(jnp.arange(P), (B, P))
+  valid_BxP = positions_BxP < prompt_lens_B[:, None]
+  out = model(prompts_BxP, positions_BxP, valid_BxP)
+  last_BxD = jnp.take_along_axis(out.hidden_BxSxD, (prompt_lens_B - 1)[:, None, None], 1)[:, 0]
+  logits_BxGxV = jnp.broadcast_to(model.logits(last_BxD)[:, None], (B, G, model.cfg.vocab_size))
+  state = _LoopState(t=jnp.zeros((), jnp.int32), last_BxG=jnp.zeros((B, G), jnp.int32),
+                     done_BxG=jnp.zeros((B, G), bool),
+                     tokens_BxGxT=jnp.full((B, G, T), cfg.pad_id, jnp.int32),
+                     logp_BxGxT=jnp.zeros((B, G, T), jnp.float32),
+                     cache=KVCache.from_prefill(out, valid_BxP, G, T))
+  state = _record(state, *_pick(logits_BxGxV, jax.random.fold_in(key, 0), cfg), cfg)
+
+  def cond(s: _LoopState):
+    return (s.t < T) & ~jnp.all(s.done_BxG)
+
+  def body(s: _LoopState):
+    # Token t-1 sits at position prompt_len + t - 1 and is written to cache slot t - 1.
+    positions_BxG = jnp.broadcast_to(prompt_lens_B[:, None] + s.t - 1, (B, G))
+    hidden_BxGxD, cache = model.decode(s.last_BxG, positions_BxG, s.cache)
+    picked = _pick(model.logits(hidden_BxGxD), jax.random.fold_in(key, s.t), cfg)
+    return _record(s.replace(cache=cache), *picked, cfg)
+
+  state = jax.lax.while_loop(cond, body, state)
+  return _finish(state.tokens_BxGxT, state.logp_BxGxT, state.t, cfg)
+
+
+def _finish(tokens_BxGxT, logp_BxGxT, steps, cfg: SamplerConfig) -> Rollout:
+  is_eos = tokens_BxGxT == cfg.eos_id
+  eos_before = jnp.cumsum(is_eos, axis=-1) - is_eos
+  mask = (eos_before == 0).astype(jnp.float32)
+  ended = jnp.any(is_eos, axis=-1)
+  return Rollout(tokens_BxGxT=tokens_BxGxT, mask_BxGxT=mask, logp_BxGxT=logp_BxGxT * mask,
+                 lengths_BxG=jnp.sum(mask, -1).astype(jnp.int32), eos_BxG=ended,
+                 truncated_BxG=~ended, steps=steps)
+
+
+# The one compiled program of the rollout phase: prefill, the decode loop and bookkeeping.
+_sample_jit = jax.jit(_sample, static_argnames=("graphdef", "cfg"))
+
+
+def _validate_prompts(fn: str, prompts_BxP, prompt_lens_B, cfg: SamplerConfig) -> None:
+  _checks.check_rank(fn, "prompts_BxP", prompts_BxP, 2, "B, P")
+  _checks.check_shape(fn, "prompt_lens_B", prompt_lens_B, np.shape(prompts_BxP)[:1],
+                      "prompts_BxP.shape[:1]")
+  P = np.shape(prompts_BxP)[1]
+  if P > cfg.max_prompt_len:
+    raise ValueError(f"{fn}: prompts_BxP has {P} positions, more than "
+                     f"SamplerConfig.max_prompt_len={cfg.max_prompt_len}")
+  if _checks.is_concrete(prompt_lens_B):
+    lens = np.asarray(prompt_lens_B)
+    if lens.size and lens.min() < 1:
+      raise ValueError(f"{fn}: prompt_lens_B has an empty prompt (length {lens.min()} at row "
+                       f"{int(lens.argmin())}); every prompt needs at least one token")
+    if lens.size and lens.max() > P:
+      raise ValueError(f"{fn}: prompt_lens_B has a length {lens.max()} > P = {P}")
+
+
+def sample_groups(model: Transformer, prompts_BxP: Array, prompt_lens_B: Array, key: Array,
+                  cfg: SamplerConfig) -> Rollout:
+  """Sample `cfg.group_size` responses for each prompt (one jitted call, deterministic per key).
+
+  Args:
+    model: the policy (its current parameters are used; the model is not modified).
+    prompts_BxP: right-padded prompt ids. prompt_lens_B: valid prompt tokens per row (>= 1).
+    key: a jax.random key. cfg: SamplerConfig.
+  Returns:
+    Rollout with (B, G, T) tokens, mask, sampler log-probs, lengths, eos and truncation flags.
+  """
+  _validate_prompts("sample_groups", prompts_BxP, prompt_lens_B, cfg)
+  graphdef, params = nnx.split(model)
+  return _sample_jit(graphdef, params, jnp.asarray(prompts_BxP, jnp.int32),
+                     jnp.asarray(prompt_lens_B, jnp.int32), key, cfg)
+
+
+def response_logprobs(model: Transformer, prompts_BxP: Array, prompt_lens_B: Array,
+                      tokens_BxGxT: Array, *, temperature: float = 1.0,
+                      replay: tuple[Array, ...] | None = None, chunk_size: int = 128):
+  """Teacher-forced log-probs of responses (what the trainer computes for pi_theta / pi_old).
+
+  Each of the B*G rows is [prompt (right-padded to P), response (T)] with prompt positions
+  0..P-1 (padding invalid) and response positions prompt_len + t; response token t is
+  predicted from the hidden state of the token before it (the last prompt token for t=0).
+  Uses the memory-lean `token_logprobs_from_hidden`.
+
+  Returns:
+    (logp_BxGxT float32, RouterInfo of the forward pass over the (B*G, P+T) rows).
+  """
+  B, P = prompts_BxP.shape
+  _, G, T = tokens_BxGxT.shape
+  rows = lambda x: jnp.repeat(x, G, axis=0)
+  lens = rows(prompt_lens_B)
+  seq = jnp.concatenate([rows(prompts_BxP), tokens_BxGxT.reshape(B * G, T)], axis=1)
+  positions = jnp.concatenate([jnp.broadcast_to(jnp.arange(P), (B * G, P)),
+                               lens[:, None] + jnp.arange(T)[None, :]], axis=1)
+  valid = jnp.concatenate([jnp.arange(P)[None, :] < lens[:, None], jnp.ones((B * G, T), bool)], 1)
+  out = model(seq, positions, valid, replay=replay)
+  # Index of the hidden state that predicts response token t.
+  src = jnp.concatenate([lens[:, None] - 1, P + jnp.broadcast_to(jnp.arange(T - 1), (B * G, T - 1))],
+                        axis=1)
+  h = jnp.take_along_axis(out.hidden_BxSxD, src[..., None], axis=1)
+  logp = token_logprobs_from_hidden(h, model.unembed_DxV(), tokens_BxGxT.reshape(B * G, T),
+                                    temperature=temperature, chunk_size=chunk_size)
+  return logp.reshape(B, G, T), out.router
+

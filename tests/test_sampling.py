@@ -1,0 +1,183 @@
+"""The in-graph group sampler: log-prob parity with teacher forcing, shared prefix vs
+repeated prompts, EOS/padding, variable prompt lengths, filters, determinism, bad input."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from gspo_jax import sampling
+from gspo_jax.models import config, transformer
+from gspo_jax.sampling import SamplerConfig, response_logprobs, sample_groups
+
+VOCAB = 64
+EOS = 1
+
+
+@pytest.fixture(scope="module")
+def model():
+  return transformer.create(config.tiny(), seed=3)
+
+
+@pytest.fixture(scope="module")
+def moe_model():
+  return transformer.create(config.tiny_moe(), seed=4)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+  rng = np.random.default_rng(0)
+  p = rng.integers(2, VOCAB, (3, 6)).astype(np.int32)
+  lens = np.array([6, 2, 4], np.int32)
+  p[np.arange(6)[None, :] >= lens[:, None]] = 0
+  return jnp.asarray(p), jnp.asarray(lens)
+
+
+teacher = nnx.jit(response_logprobs, static_argnames=("temperature",))
+
+BASE = SamplerConfig(group_size=4, max_new_tokens=8, eos_id=EOS, max_prompt_len=16)
+
+
+@pytest.mark.parametrize("which,temperature", [("dense", 1.0), ("dense", 0.7), ("moe", 1.0)])
+def test_sampler_logprobs_equal_teacher_forced(which, temperature, model, moe_model, prompts):
+  m = model if which == "dense" else moe_model
+  cfg = dataclasses.replace(BASE, temperature=temperature)
+  r = sample_groups(m, *prompts, jax.random.key(0), cfg)
+  lp, _ = teacher(m, *prompts, r.tokens_BxGxT, temperature=temperature)
+  mask = np.asarray(r.mask_BxGxT)
+  assert mask.sum() > 0
+  np.testing.assert_allclose(np.asarray(lp) * mask, r.logp_BxGxT, rtol=1e-5, atol=1e-5)
+
+
+def test_shared_prefix_equals_repeated_prompts(model, prompts):
+  p, lens = prompts
+  G = 3
+  greedy = dataclasses.replace(BASE, group_size=G, greedy=True)
+  shared = sample_groups(model, p, lens, jax.random.key(1), greedy)
+  repeated = sample_groups(model, jnp.repeat(p, G, 0), jnp.repeat(lens, G),
+                           jax.random.key(1), dataclasses.replace(greedy, group_size=1))
+  np.testing.assert_array_equal(shared.tokens_BxGxT.reshape(-1, 8), repeated.tokens_BxGxT[:, 0])
+  np.testing.assert_allclose(shared.logp_BxGxT.reshape(-1, 8), repeated.logp_BxGxT[:, 0],
+                             rtol=1e-5, atol=1e-5)
+  # Sampled (not greedy) tokens of the shared sampler, scored on the repeated path.
+  sampled = sample_groups(model, p, lens, jax.random.key(2), dataclasses.replace(BASE, group_size=G))
+  lp, _ = teacher(model, p, lens, sampled.tokens_BxGxT)
+  np.testing.assert_allclose(np.asarray(lp) * np.asarray(sampled.mask_BxGxT), sampled.logp_BxGxT,
+                             rtol=1e-5, atol=1e-5)
+
+
+def test_eos_ends_responses_and_nothing_after_counts(model, prompts):
+  greedy = dataclasses.replace(BASE, greedy=True, group_size=1, eos_id=VOCAB - 1)
+  free = sample_groups(model, *prompts, jax.random.key(0), greedy)
+  tokens = np.asarray(free.tokens_BxGxT)[:, 0]
+  # Make row 0's third greedy token the EOS: row 0 must stop there; others at their first one.
+  eos = int(tokens[0, 2])
+  r = sample_groups(model, *prompts, jax.random.key(0), dataclasses.replace(greedy, eos_id=eos))
+  out_tok, mask = np.asarray(r.tokens_BxGxT)[:, 0], np.asarray(r.mask_BxGxT)[:, 0]
+  for b in range(3):
+    hits = np.flatnonzero(tokens[b] == eos)
+    n = hits[0] + 1 if hits.size else 8
+    np.testing.assert_array_equal(out_tok[b, :n], tokens[b, :n])  # same prefix as before
+    np.testing.assert_array_equal(mask[b], np.arange(8) < n)
+    assert np.all(out_tok[b, n:] == greedy.pad_id)
+    assert np.all(np.asarray(r.logp_BxGxT)[b, 0, n:] == 0)
+    assert int(r.lengths_BxG[b, 0]) == n
+    assert bool(r.eos_BxG[b, 0]) == bool(hits.size) and bool(r.truncated_BxG[b, 0]) != bool(hits.size)
+  assert bool(r.eos_BxG[0, 0]) and int(r.lengths_BxG[0, 0]) <= 3
+
+
+def test_early_exit_when_all_responses_end(model, prompts):
+  greedy = dataclasses.replace(BASE, greedy=True, group_size=2, eos_id=VOCAB - 1)
+  first = np.asarray(sample_groups(model, *prompts, jax.random.key(0), greedy).tokens_BxGxT)
+  # With every row's first greedy token as EOS... rows differ, so pick a prompt set whose
+  # first tokens agree: repeat row 0.
+  p, lens = prompts
+  same = (jnp.repeat(p[:1], 3, 0), jnp.repeat(lens[:1], 3))
+  eos = int(first[0, 0, 0])
+  r = sample_groups(model, *same, jax.random.key(0), dataclasses.replace(greedy, eos_id=eos))
+  assert int(r.steps) == 1 and np.all(np.asarray(r.lengths_BxG) == 1)
+  assert np.all(np.asarray(r.tokens_BxGxT)[:, :, 1:] == 0)
+  full = sample_groups(model, *prompts, jax.random.key(0), greedy)
+  assert int(full.steps) == 8 or np.all(np.asarray(full.eos_BxG))
+
+
+def test_prompt_padding_and_batch_neighbours_change_nothing(model, prompts):
+  p, lens = prompts
+  greedy = dataclasses.replace(BASE, greedy=True, group_size=2)
+  base = sample_groups(model, p, lens, jax.random.key(0), greedy)
+  # More padding columns, filled with junk beyond each prompt's length.
+  junk = jnp.concatenate([p, jnp.full((3, 5), 7, jnp.int32)], axis=1)
+  junk = jnp.where(jnp.arange(11)[None, :] < lens[:, None], junk, 9)
+  padded = sample_groups(model, junk, lens, jax.random.key(0), greedy)
+  np.testing.assert_array_equal(padded.tokens_BxGxT, base.tokens_BxGxT)
+  np.testing.assert_allclose(padded.logp_BxGxT, base.logp_BxGxT, rtol=1e-5, atol=1e-5)
+  # A row alone gives what it gave in the batch.
+  alone = sample_groups(model, p[1:2, :2], lens[1:2], jax.random.key(0), greedy)
+  np.testing.assert_array_equal(alone.tokens_BxGxT[0], base.tokens_BxGxT[1])
+
+
+def test_deterministic_per_key(model, prompts):
+  a = sample_groups(model, *prompts, jax.random.key(5), BASE)
+  b = sample_groups(model, *prompts, jax.random.key(5), BASE)
+  c = sample_groups(model, *prompts, jax.random.key(6), BASE)
+  np.testing.assert_array_equal(a.tokens_BxGxT, b.tokens_BxGxT)
+  assert not np.array_equal(np.asarray(a.tokens_BxGxT), np.asarray(c.tokens_BxGxT))
+  # The G responses of one prompt differ (independent draws from the same prefix).
+  t = np.asarray(a.tokens_BxGxT)
+  assert any(not np.array_equal(t[b, 0], t[b, g]) for b in range(3) for g in range(1, 4))
+
+
+def test_filters_hand_values():
+  logits = jnp.log(jnp.asarray([[0.5, 0.2, 0.15, 0.1, 0.05]]))
+  neg = jnp.finfo(jnp.float32).min
+  keep = lambda cfg: np.asarray(sampling._filter_logits(logits, cfg)[0] > neg)
+  c = dataclasses.replace(BASE, top_k=2)
+  np.testing.assert_array_equal(keep(c), [1, 1, 0, 0, 0])
+  # top_p = 0.8: masses before each token 0, .5, .7, .85 -> keep the first three.
+  np.testing.assert_array_equal(keep(dataclasses.replace(BASE, top_p=0.8)), [1, 1, 1, 0, 0])
+  np.testing.assert_array_equal(keep(dataclasses.replace(BASE, top_p=0.01)), [1, 0, 0, 0, 0])
+  np.testing.assert_array_equal(keep(dataclasses.replace(BASE, vocab_limit=3)), [1, 1, 1, 0, 0])
+
+
+def test_top_k_one_is_greedy_and_vocab_limit_holds(model, prompts):
+  greedy = sample_groups(model, *prompts, jax.random.key(0),
+                         dataclasses.replace(BASE, greedy=True))
+  k1 = sample_groups(model, *prompts, jax.random.key(9), dataclasses.replace(BASE, top_k=1))
+  np.testing.assert_array_equal(k1.tokens_BxGxT, greedy.tokens_BxGxT)
+  limited = sample_groups(model, *prompts, jax.random.key(3),
+                          dataclasses.replace(BASE, vocab_limit=20, temperature=3.0))
+  toks = np.asarray(limited.tokens_BxGxT)[np.asarray(limited.mask_BxGxT) > 0]
+  assert toks.max() < 20
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(group_size=0), "group_size"),
+    (dict(temperature=0.0), "temperature"),
+    (dict(temperature=-1.0), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-1), "top_k"),
+    (dict(max_new_tokens=0), "max_new_tokens"),
+])
+def test_bad_sampler_config(kw, match):
+  with pytest.raises(ValueError, match=match):
+    dataclasses.replace(BASE, **kw)
+
+
+def test_greedy_allows_zero_temperature():
+  assert dataclasses.replace(BASE, greedy=True, temperature=0.0).greedy
+
+
+def test_bad_prompts(model):
+  cfg = dataclasses.replace(BASE, max_prompt_len=4)
+  with pytest.raises(ValueError, match="max_prompt_len"):
+    sample_groups(model, jnp.ones((2, 5), jnp.int32), jnp.asarray([5, 3]), jax.random.key(0), cfg)
+  with pytest.raises(ValueError, match="empty prompt"):
+    sample_groups(model, jnp.ones((2, 3), jnp.int32), jnp.asarray([3, 0]), jax.random.key(0), cfg)
+  with pytest.raises(ValueError, match="prompt_lens_B"):
+    sample_groups(model, jnp.ones((2, 3), jnp.int32), jnp.asarray([3]), jax.random.key(0), cfg)
+  with pytest.raises(ValueError, match="prompts_BxP"):
+    sample_groups(model, jnp.ones((3,), jnp.int32), jnp.asarray([3]), jax.random.key(0), cfg)
