@@ -41,9 +41,11 @@ teacher = nnx.jit(response_logprobs, static_argnames=("temperature",))
 BASE = SamplerConfig(group_size=4, max_new_tokens=8, eos_id=EOS, max_prompt_len=16)
 
 
-@pytest.mark.parametrize("which,temperature", [("dense", 1.0), ("dense", 0.7), ("moe", 1.0)])
+@pytest.mark.parametrize("which,temperature", [("dense", 1.0), ("dense", 0.7), ("moe", 1.0),
+                                               ("moe_ragged", 1.0)])
 def test_sampler_logprobs_equal_teacher_forced(which, temperature, model, moe_model, prompts):
-  m = model if which == "dense" else moe_model
+  m = {"dense": model, "moe": moe_model}.get(which) or transformer.create(
+      config.tiny_moe(moe_dispatch="ragged"), seed=4)
   cfg = dataclasses.replace(BASE, temperature=temperature)
   r = sample_groups(m, *prompts, jax.random.key(0), cfg)
   lp, _ = teacher(m, *prompts, r.tokens_BxGxT, temperature=temperature)

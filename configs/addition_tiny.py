@@ -1,0 +1,30 @@
+"""The README's main job: 2-digit addition, a 0.3M-parameter Qwen3-style model on CPU.
+
+Cold start (supervised, to partial accuracy), then GSPO with the paper's settings: clip
+range (3e-4, 4e-4), 4 minibatches per rollout batch, group-normalised rewards, no KL.
+    python -m gspo_jax.train --config configs/addition_tiny.py
+"""
+
+from gspo_jax.models.config import tiny
+from gspo_jax.train import OptimConfig, RolloutConfig, SFTConfig, TrainConfig
+
+
+def get_config() -> TrainConfig:
+  return TrainConfig(
+      task="addition",
+      task_digits=2,
+      model=tiny(vocab_size=32, hidden=128, mlp_dim=256, num_heads=4, num_kv_heads=2,
+                 head_dim=32),
+      rollout=RolloutConfig(prompts_per_iter=32, group_size=8, max_new_tokens=5,
+                            max_prompt_len=8, temperature=1.0),
+      optim=OptimConfig(learning_rate=3e-4, warmup_steps=10, grad_clip=1.0),
+      sft=SFTConfig(steps=120, batch_size=64, learning_rate=3e-3),
+      loss="gspo",
+      eps_low=3e-4,
+      eps_high=4e-4,
+      num_minibatches=4,
+      iterations=100,
+      eval_every=20,
+      eval_size=512,
+      seed=0,
+  )

@@ -1,0 +1,65 @@
+"""Checkpoints with orbax: the TrainState (params, optimiser state, step, RNG key) every N
+iterations, keeping the last K. The data stream is a pure function of (seed, step), so the
+step is the data-stream position. orbax writes to a temporary directory and renames it when
+the save is complete, so a half-written checkpoint is never listed; restore takes the newest
+complete one. Saves are synchronous here: an open async save would hang the process at exit.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import orbax.checkpoint as ocp
+
+
+def check_writable(directory: str) -> None:
+  """Fail before training starts if the run directory cannot be written."""
+  try:
+    os.makedirs(directory, exist_ok=True)
+    probe = os.path.join(directory, ".write_test")
+    with open(probe, "w") as f:
+      f.write("ok")
+    os.remove(probe)
+  except OSError as e:
+    raise ValueError(f"run directory {directory!r} is not writable: {e}") from e
+
+
+class Checkpointer:
+  def __init__(self, directory: str, *, every: int, keep: int):
+    self.every = every
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=False,
+                                           create=True)
+    self.manager = ocp.CheckpointManager(os.path.abspath(directory), options=options)
+
+  def latest_step(self) -> int | None:
+    return self.manager.latest_step()
+
+  def maybe_save(self, step: int, state, *, force: bool = False) -> bool:
+    if not force and (not self.every or step % self.every):
+      return False
+    state = jax.tree.map(_to_savable, state)
+    return self.manager.save(step, args=ocp.args.StandardSave(state), force=force)
+
+  def restore(self, abstract_state, step: int | None = None):
+    step = self.latest_step() if step is None else step
+    template = jax.tree.map(_to_savable, abstract_state)
+    restored = self.manager.restore(step, args=ocp.args.StandardRestore(template))
+    return jax.tree.map(_from_savable, abstract_state, restored)
+
+  def close(self) -> None:
+    self.manager.wait_until_finished()
+    self.manager.close()
+
+
+def _to_savable(x):
+  # Typed PRNG keys are stored as their raw uint32 data.
+  if hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    return jax.random.key_data(x)
+  return x
+
+
+def _from_savable(template, x):
+  if hasattr(template, "dtype") and jax.dtypes.issubdtype(template.dtype, jax.dtypes.prng_key):
+    return jax.random.wrap_key_data(x)
+  return x

@@ -1,0 +1,55 @@
+"""Cold start: a short supervised stage on task demonstrations before RL.
+
+The SFT loss is the negative mean log-likelihood of the demonstration tokens (+ EOS) given
+the prompt, computed with the same teacher-forced `response_logprobs` the RL update uses.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from gspo_jax import train as T
+
+
+def _sft_loss(params, graphdef, prompts_RxP, lens_R, tokens_RxT, mask_RxT):
+  logp = T.score_logprobs(params, graphdef, prompts_RxP, lens_R, tokens_RxT, 1.0)
+  return -jnp.sum(logp * mask_RxT) / jnp.maximum(jnp.sum(mask_RxT), 1)
+
+
+def _sft_step(params, opt_state, batch, graphdef, tx):
+  loss, grads = jax.value_and_grad(_sft_loss)(params, graphdef, *batch)
+  updates, opt_state = tx.update(grads, opt_state, params)
+  return optax.apply_updates(params, updates), opt_state, loss
+
+
+_sft_step_jit = jax.jit(_sft_step, static_argnames=("graphdef", "tx"), donate_argnums=(0, 1))
+
+
+def supervised_batch(task, tok, rng, cfg: "T.TrainConfig"):
+  examples = task.sample(rng, cfg.sft.batch_size, "train")
+  prompts, lens = T.encode_prompts(tok, examples, cfg.rollout.max_prompt_len)
+  tokens, mask = T.encode_completions(tok, [task.demonstration(e) for e in examples],
+                                      cfg.rollout.max_new_tokens)
+  return prompts, lens, tokens, mask
+
+
+def cold_start(params, graphdef, task, tok, cfg: "T.TrainConfig", log=print):
+  """`cfg.sft.steps` AdamW steps (warmup-cosine schedule); returns the new params."""
+  if cfg.sft.steps <= 0:
+    return params
+  warmup = max(cfg.sft.steps // 10, 1)
+  schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.sft.learning_rate, warmup,
+                                                max(cfg.sft.steps, warmup + 1))
+  tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.0))
+  params = jax.tree.map(jnp.copy, params)  # the caller's params stay valid (donation below)
+  opt_state = tx.init(params)
+  rng = np.random.default_rng([cfg.seed, 10_000_019])
+  for step in range(cfg.sft.steps):
+    batch = supervised_batch(task, tok, rng, cfg)
+    params, opt_state, loss = _sft_step_jit(params, opt_state, batch, graphdef, tx)
+    if step % max(cfg.sft.steps // 5, 1) == 0 or step == cfg.sft.steps - 1:
+      log(f"cold start step {step:4d}/{cfg.sft.steps}: loss {float(loss):.4f}")
+  return params
