@@ -124,13 +124,13 @@ def _host_loop_sampler(model, cfg):
     out = model(prompts, pos, valid)
     last = jnp.take_along_axis(out.hidden_BxSxD, (lens - 1)[:, None, None], 1)[:, 0]
     logits = jnp.broadcast_to(model.logits(last)[:, None], (B, cfg.group_size, model.cfg.vocab_size))
-    token, logp = sampling._pick(logits, key, cfg)
+    token, logp, _ = sampling._pick(logits, key, cfg)
     return token, logp, KVCache.from_prefill(out, valid, cfg.group_size, cfg.max_new_tokens)
 
   @nnx.jit
   def step(model, token, done, positions, cache, key):
     hidden, cache = model.decode(token, positions, cache)
-    token, logp = sampling._pick(model.logits(hidden), key, cfg)
+    token, logp, _ = sampling._pick(model.logits(hidden), key, cfg)
     token = jnp.where(done, cfg.pad_id, token)  # same bookkeeping as the in-graph sampler
     return token, done | (token == cfg.eos_id), cache
 

@@ -25,12 +25,34 @@ def check_writable(directory: str) -> None:
     raise ValueError(f"run directory {directory!r} is not writable: {e}") from e
 
 
+def set_aside_incomplete(directory: str) -> list[str]:
+  """Rename step directories without orbax's metadata file to `<step>.incomplete` (kept, not
+  deleted), so that restore never picks a half-written checkpoint. orbax already skips its
+  own `*.orbax-checkpoint-tmp-*` directories; this covers a step directory left by a crash
+  on a filesystem without atomic rename."""
+  moved = []
+  if not os.path.isdir(directory):
+    return moved
+  for name in sorted(os.listdir(directory)):
+    path = os.path.join(directory, name)
+    if name.isdigit() and os.path.isdir(path) and not os.path.exists(
+        os.path.join(path, "_CHECKPOINT_METADATA")):
+      os.rename(path, path + ".incomplete")
+      moved.append(name)
+  return moved
+
+
 class Checkpointer:
   def __init__(self, directory: str, *, every: int, keep: int):
     self.every = every
+    directory = os.path.abspath(directory)
+    if jax.process_index() == 0:
+      for step in set_aside_incomplete(directory):
+        print(f"checkpoint step {step} in {directory} is incomplete: set aside as "
+              f"{step}.incomplete; using the newest complete one")
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=False,
                                            create=True)
-    self.manager = ocp.CheckpointManager(os.path.abspath(directory), options=options)
+    self.manager = ocp.CheckpointManager(directory, options=options)
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()

@@ -36,10 +36,18 @@ def supervised_batch(task, tok, rng, cfg: "T.TrainConfig"):
   return prompts, lens, tokens, mask
 
 
+def _probe_accuracy(params, graphdef, task, tok, probe, cfg) -> float:
+  from gspo_jax import evaluate
+  return evaluate.evaluate(params, graphdef, task, tok, probe, cfg)["accuracy"]
+
+
 def cold_start(params, graphdef, task, tok, cfg: "T.TrainConfig", log=print):
-  """`cfg.sft.steps` AdamW steps (warmup-cosine schedule); returns the new params."""
+  """Up to `cfg.sft.steps` AdamW steps (warmup-cosine schedule), stopping early once the
+  greedy accuracy on a probe of train-split problems reaches `cfg.sft.target_accuracy`.
+  The held-out set is never looked at. Returns the new params."""
   if cfg.sft.steps <= 0:
     return params
+  probe = task.sample(np.random.default_rng([cfg.seed, 4_242_424]), cfg.sft.probe_size, "train")
   warmup = max(cfg.sft.steps // 10, 1)
   schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.sft.learning_rate, warmup,
                                                 max(cfg.sft.steps, warmup + 1))
@@ -50,6 +58,15 @@ def cold_start(params, graphdef, task, tok, cfg: "T.TrainConfig", log=print):
   for step in range(cfg.sft.steps):
     batch = supervised_batch(task, tok, rng, cfg)
     params, opt_state, loss = _sft_step_jit(params, opt_state, batch, graphdef, tx)
-    if step % max(cfg.sft.steps // 5, 1) == 0 or step == cfg.sft.steps - 1:
-      log(f"cold start step {step:4d}/{cfg.sft.steps}: loss {float(loss):.4f}")
+    done = step + 1
+    if cfg.sft.target_accuracy and done % cfg.sft.check_every == 0:
+      acc = _probe_accuracy(params, graphdef, task, tok, probe, cfg)
+      log(f"cold start step {done:4d}/{cfg.sft.steps}: loss {float(loss):.4f}, "
+          f"train-probe accuracy {acc:.3f}")
+      if acc >= cfg.sft.target_accuracy:
+        log(f"cold start reached the target accuracy {cfg.sft.target_accuracy} at step {done}")
+        break
+    elif not cfg.sft.target_accuracy and (step % max(cfg.sft.steps // 5, 1) == 0 or
+                                          done == cfg.sft.steps):
+      log(f"cold start step {done:4d}/{cfg.sft.steps}: loss {float(loss):.4f}")
   return params

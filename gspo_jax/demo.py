@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import sys
 import time
 
@@ -32,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from gspo_jax import losses
+from gspo_jax import configlib, losses
 from gspo_jax.advantages import group_advantages
 from gspo_jax.logprobs import token_logprobs
 
@@ -210,35 +209,17 @@ def train(cfg: DemoConfig, *, out=None) -> dict[str, list[float]]:
 
 
 def load_config(path: str | None, overrides: list[str]) -> DemoConfig:
-  """`get_config()` from a Python config file, then `key=value` overrides."""
-  cfg = DemoConfig()
-  if path:
-    spec = importlib.util.spec_from_file_location("_demo_config", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    cfg = module.get_config()
-  fields = {f.name: f for f in dataclasses.fields(DemoConfig)}
-  changes = {}
-  for item in overrides:
-    key, sep, value = item.partition("=")
-    if not sep or key not in fields:
-      raise SystemExit(f"--set {item!r}: expected key=value with key one of {sorted(fields)}")
-    kind = type(getattr(cfg, key))
-    try:
-      changes[key] = kind(value)
-    except ValueError:
-      raise SystemExit(f"--set {item!r}: {key} must be a {kind.__name__}") from None
+  """`get_config()` from a Python config file (or the defaults), then `key=value` overrides."""
+  cfg = configlib.load_config(path) if path else DemoConfig()
   try:
-    return dataclasses.replace(cfg, **changes)
+    return configlib.apply_overrides(cfg, overrides)
   except ValueError as e:
-    raise SystemExit(str(e)) from None
+    raise SystemExit(f"config error: {e}") from None
 
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--config", help="Python file with get_config() -> DemoConfig")
-  parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                      help="override a DemoConfig field (repeatable)")
+  configlib.add_cli_args(parser)
   args = parser.parse_args(argv)
   train(load_config(args.config, args.set))
 

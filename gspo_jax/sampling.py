@@ -75,6 +75,7 @@ class Rollout:
   tokens_BxGxT: Array      # int32, pad_id after the end
   mask_BxGxT: Array        # float32 0/1
   logp_BxGxT: Array        # float32, sampler log-probs (0 where masked)
+  entropy_BxGxT: Array     # float32, entropy of the tempered distribution at each step (0 where masked)
   lengths_BxG: Array       # int32, counted tokens
   eos_BxG: Array           # bool: ended with EOS
   truncated_BxG: Array     # bool: hit max_new_tokens without EOS
@@ -88,6 +89,7 @@ class _LoopState:
   done_BxG: Array          # EOS already emitted
   tokens_BxGxT: Array
   logp_BxGxT: Array
+  entropy_BxGxT: Array
   cache: KVCache
 
 
@@ -111,8 +113,8 @@ def _filter_logits(logits_NxV: Array, cfg: SamplerConfig) -> Array:
   return logits_NxV
 
 
-def _pick(logits_BxGxV: Array, key: Array, cfg: SamplerConfig) -> tuple[Array, Array]:
-  """(token_BxG, logp_BxG) with logp from the tempered, unfiltered distribution."""
+def _pick(logits_BxGxV: Array, key: Array, cfg: SamplerConfig) -> tuple[Array, Array, Array]:
+  """(token_BxG, logp_BxG, entropy_BxG) of the tempered, unfiltered distribution."""
   temp = 1.0 if cfg.greedy else cfg.temperature
   scaled = logits_BxGxV.astype(jnp.float32) / temp
   logp_all = jax.nn.log_softmax(scaled, axis=-1)
@@ -121,17 +123,21 @@ def _pick(logits_BxGxV: Array, key: Array, cfg: SamplerConfig) -> tuple[Array, A
     token = jnp.argmax(filtered, axis=-1)
   else:
     token = jax.random.categorical(key, filtered, axis=-1)
-  return token.astype(jnp.int32), jnp.take_along_axis(logp_all, token[..., None], -1)[..., 0]
+  entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+  return (token.astype(jnp.int32), jnp.take_along_axis(logp_all, token[..., None], -1)[..., 0],
+          entropy)
 
 
-def _record(state: _LoopState, token_BxG, logp_BxG, cfg: SamplerConfig) -> _LoopState:
-  """Write slot t; responses that already ended get pad and log-prob 0."""
+def _record(state: _LoopState, token_BxG, logp_BxG, entropy_BxG, cfg: SamplerConfig
+            ) -> _LoopState:
+  """Write slot t; responses that already ended get pad, log-prob 0 and entropy 0."""
   token = jnp.where(state.done_BxG, cfg.pad_id, token_BxG)
-  logp = jnp.where(state.done_BxG, 0.0, logp_BxG)
-  tokens = jax.lax.dynamic_update_slice_in_dim(state.tokens_BxGxT, token[..., None], state.t, 2)
-  logps = jax.lax.dynamic_update_slice_in_dim(state.logp_BxGxT, logp[..., None], state.t, 2)
+  put = lambda buf, x: jax.lax.dynamic_update_slice_in_dim(
+      buf, jnp.where(state.done_BxG, 0, x).astype(buf.dtype)[..., None], state.t, 2)
   return state.replace(t=state.t + 1, last_BxG=token, done_BxG=state.done_BxG | (token == cfg.eos_id),
-                       tokens_BxGxT=tokens, logp_BxGxT=logps)
+                       tokens_BxGxT=put(state.tokens_BxGxT, token),
+                       logp_BxGxT=put(state.logp_BxGxT, logp_BxG),
+                       entropy_BxGxT=put(state.entropy_BxGxT, entropy_BxG))
 
 
 def _sample(graphdef, params, prompts_BxP, prompt_lens_B, key, cfg: SamplerConfig) -> Rollout:
@@ -147,6 +153,7 @@ def _sample(graphdef, params, prompts_BxP, prompt_lens_B, key, cfg: SamplerConfi
                      done_BxG=jnp.zeros((B, G), bool),
                      tokens_BxGxT=jnp.full((B, G, T), cfg.pad_id, jnp.int32),
                      logp_BxGxT=jnp.zeros((B, G, T), jnp.float32),
+                     entropy_BxGxT=jnp.zeros((B, G, T), jnp.float32),
                      cache=KVCache.from_prefill(out, valid_BxP, G, T))
   state = _record(state, *_pick(logits_BxGxV, jax.random.fold_in(key, 0), cfg), cfg)
 
@@ -161,15 +168,16 @@ def _sample(graphdef, params, prompts_BxP, prompt_lens_B, key, cfg: SamplerConfi
     return _record(s.replace(cache=cache), *picked, cfg)
 
   state = jax.lax.while_loop(cond, body, state)
-  return _finish(state.tokens_BxGxT, state.logp_BxGxT, state.t, cfg)
+  return _finish(state.tokens_BxGxT, state.logp_BxGxT, state.entropy_BxGxT, state.t, cfg)
 
 
-def _finish(tokens_BxGxT, logp_BxGxT, steps, cfg: SamplerConfig) -> Rollout:
+def _finish(tokens_BxGxT, logp_BxGxT, entropy_BxGxT, steps, cfg: SamplerConfig) -> Rollout:
   is_eos = tokens_BxGxT == cfg.eos_id
   eos_before = jnp.cumsum(is_eos, axis=-1) - is_eos
   mask = (eos_before == 0).astype(jnp.float32)
   ended = jnp.any(is_eos, axis=-1)
   return Rollout(tokens_BxGxT=tokens_BxGxT, mask_BxGxT=mask, logp_BxGxT=logp_BxGxT * mask,
+                 entropy_BxGxT=entropy_BxGxT * mask,
                  lengths_BxG=jnp.sum(mask, -1).astype(jnp.int32), eos_BxG=ended,
                  truncated_BxG=~ended, steps=steps)
 

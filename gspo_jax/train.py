@@ -73,9 +73,15 @@ class OptimConfig:
 class SFTConfig:
   """Cold start: supervised steps on task demonstrations before RL (the paper starts RL
   from a cold-start fine-tuned model)."""
-  steps: int = 300
+  steps: int = 300                  # maximum number of steps
   batch_size: int = 64
   learning_rate: float = 3e-3
+  # Stop early once greedy accuracy on a probe of *train-split* problems reaches this
+  # (0 = run all steps): RL then starts from comparable partial accuracy for every seed,
+  # where a fixed step count lands anywhere on a steep learning curve.
+  target_accuracy: float = 0.0
+  check_every: int = 20
+  probe_size: int = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,9 +330,10 @@ def rollout_step(state: TrainState, graphdef, task, tok, cfg: TrainConfig, ref_p
   jax.block_until_ready(batch.old_logp_RxT)
   times["time_old_logp"] = time.perf_counter() - t0
   lengths = np.asarray(rollout.lengths_BxG)
+  entropy = float(jnp.sum(rollout.entropy_BxGxT) / jnp.maximum(jnp.sum(rollout.mask_BxGxT), 1))
   stats = {"reward_mean": rewards.mean(), "reward_std": rewards.std(), "accuracy": correct.mean(),
            "response_length": lengths.mean(), "truncated_frac": np.asarray(rollout.truncated_BxG).mean(),
-           "tokens_per_s": lengths.sum() / times["time_sample"], **times}
+           "entropy": entropy, "tokens_per_s": lengths.sum() / times["time_sample"], **times}
   return batch, stats
 
 
@@ -378,6 +385,22 @@ def load_run(run_dir: str, step: int | None = None) -> Run:
 SHOW = ("reward_mean", "accuracy", "clip_frac_token", "heldout_accuracy")
 
 
+def reference_params(run: Run, run_dir: str, *, fresh: bool):
+  """The KL reference: the cold-start policy, saved once to <run>/reference and restored
+  on resume (the resumed policy must not become its own reference)."""
+  ckpt = checkpoint.Checkpointer(os.path.join(run_dir, "reference"), every=0, keep=1)
+  try:
+    if fresh:
+      ckpt.maybe_save(0, run.state.params, force=True)
+      return jax.tree.map(jnp.copy, run.state.params)  # the policy's buffers get donated
+    if ckpt.latest_step() is None:
+      raise ValueError(f"kl_coef > 0 but {run_dir!r} has no saved reference policy "
+                       "(the run was started with kl_coef = 0)")
+    return ckpt.restore(run.state.params)
+  finally:
+    ckpt.close()
+
+
 def train(cfg: TrainConfig, run_dir: str, *, resume: bool = False, checkpoint_every: int = 10,
           keep: int = 3, progress: bool = True) -> dict[str, Any]:
   """Cold start (unless resuming), then `cfg.iterations` GSPO iterations. Returns a summary."""
@@ -408,7 +431,7 @@ def train(cfg: TrainConfig, run_dir: str, *, resume: bool = False, checkpoint_ev
     log(f"held-out accuracy at step {int(run.state.step)}: {before['accuracy']:.3f}")
     writer = metrics.MetricsWriter(run_dir, total=cfg.iterations, initial=int(run.state.step),
                                    progress=progress)
-    ref_params = run.state.params if cfg.kl_coef else None  # cold-start policy as reference
+    ref_params = reference_params(run, run_dir, fresh=start is None) if cfg.kl_coef else None
     while int(run.state.step) < cfg.iterations:
       batch, stats = rollout_step(run.state, run.graphdef, run.task, run.tok, cfg, ref_params)
       t0 = time.perf_counter()

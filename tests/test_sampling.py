@@ -183,3 +183,18 @@ def test_bad_prompts(model):
     sample_groups(model, jnp.ones((2, 3), jnp.int32), jnp.asarray([3]), jax.random.key(0), cfg)
   with pytest.raises(ValueError, match="prompts_BxP"):
     sample_groups(model, jnp.ones((3,), jnp.int32), jnp.asarray([3]), jax.random.key(0), cfg)
+
+
+def test_entropy_is_that_of_the_tempered_distribution(model, prompts):
+  p, lens = prompts
+  cfg = dataclasses.replace(BASE, temperature=0.7)
+  r = sample_groups(model, p, lens, jax.random.key(4), cfg)
+  # First response token: the distribution after the last prompt token, same for all G.
+  out = nnx.jit(lambda m, t, pos, v: m.logits(m(t, pos, v).hidden_BxSxD))(
+      model, p, jnp.broadcast_to(jnp.arange(6), (3, 6)), jnp.arange(6)[None, :] < lens[:, None])
+  logp = jax.nn.log_softmax(np.asarray(out)[np.arange(3), np.asarray(lens) - 1] / 0.7, axis=-1)
+  want = -np.sum(np.exp(logp) * logp, axis=-1)
+  np.testing.assert_allclose(np.asarray(r.entropy_BxGxT)[:, :, 0],
+                             np.broadcast_to(want[:, None], (3, 4)), rtol=1e-5, atol=1e-5)
+  e, m = np.asarray(r.entropy_BxGxT), np.asarray(r.mask_BxGxT)
+  assert np.all(e[m == 0] == 0) and np.all(e[m > 0] > 0) and np.all(e <= np.log(VOCAB) + 1e-5)

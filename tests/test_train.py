@@ -104,6 +104,33 @@ def test_resume_equals_uninterrupted(tmp_path, capsys):
   assert "step 4: held-out accuracy" in capsys.readouterr().out
 
 
+def test_kl_reference_is_the_cold_start_policy_across_resume(tmp_path):
+  cfg = tiny_cfg(iterations=2, kl_coef=0.1, sft=T.SFTConfig(steps=2))
+  T.train(cfg, str(tmp_path / "full"), checkpoint_every=1, progress=False)
+  T.train(dataclasses.replace(cfg, iterations=1), str(tmp_path / "part"), checkpoint_every=1,
+          progress=False)
+  T.train(cfg, str(tmp_path / "part"), resume=True, checkpoint_every=1, progress=False)
+  read = lambda d: [json.loads(l) for l in open(tmp_path / d / "metrics.jsonl")]
+  a, b = read("full"), read("part")
+  assert a[-1]["kl"] > 0
+  assert a[-1]["kl"] == pytest.approx(b[-1]["kl"], rel=1e-5, abs=1e-7)
+  assert a[-1]["loss"] == pytest.approx(b[-1]["loss"], rel=1e-5, abs=1e-7)
+
+
+def test_half_written_checkpoint_is_ignored(tmp_path):
+  cfg = tiny_cfg(iterations=2, sft=T.SFTConfig(steps=1))
+  T.train(cfg, str(tmp_path), checkpoint_every=1, progress=False)
+  ckpts = tmp_path / "checkpoints"
+  (ckpts / "7").mkdir()  # a step directory without orbax's metadata: a crashed save
+  (ckpts / "7" / "state").mkdir()
+  (ckpts / "9.orbax-checkpoint-tmp-42").mkdir()  # orbax's own unfinished save
+  T.train(dataclasses.replace(cfg, iterations=3), str(tmp_path), resume=True,
+          checkpoint_every=1, progress=False)
+  steps = [json.loads(l)["step"] for l in open(tmp_path / "metrics.jsonl")]
+  assert steps == [1, 2, 3]  # resumed from step 2, the newest complete checkpoint
+  assert (ckpts / "7.incomplete").is_dir()  # set aside, not deleted
+
+
 def test_existing_run_without_resume_is_refused(tmp_path):
   cfg = tiny_cfg(iterations=1, sft=T.SFTConfig(steps=1))
   T.train(cfg, str(tmp_path), progress=False)
@@ -138,3 +165,26 @@ def test_unwritable_run_dir_fails_before_training(tmp_path):
   blocker.write_text("not a directory")
   with pytest.raises(ValueError, match="not writable"):
     T.train(tiny_cfg(), str(blocker / "run"), progress=False)
+
+
+def test_shipped_configs_load_and_validate():
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  cfg = configlib.load_config(os.path.join(root, "configs", "addition_tiny.py"))
+  assert isinstance(cfg, T.TrainConfig) and cfg.loss == "gspo" and cfg.num_minibatches == 4
+  assert (cfg.eps_low, cfg.eps_high) == (3e-4, 4e-4)
+  assert configlib.from_dict(T.TrainConfig, configlib.to_dict(cfg)) == cfg
+
+
+def test_cold_start_stops_at_the_target_accuracy(run, monkeypatch):
+  from gspo_jax import coldstart
+  lines = []
+  cfg = tiny_cfg(sft=T.SFTConfig(steps=10, batch_size=8, target_accuracy=0.4, check_every=2))
+  monkeypatch.setattr(coldstart, "_probe_accuracy", lambda *a: 0.3 if len(lines) < 2 else 0.5)
+  params = coldstart.cold_start(run.state.params, run.graphdef, run.task, run.tok, cfg,
+                                log=lines.append)
+  # Checks at steps 2 (0.3), 4 (0.3), 6 (0.5 >= 0.4: stop); never 8 or 10.
+  assert [l.split(":")[0] for l in lines[:3]] == ["cold start step    2/10",
+                                                  "cold start step    4/10",
+                                                  "cold start step    6/10"]
+  assert "reached the target accuracy 0.4 at step 6" in lines[-1] and len(lines) == 4
+  assert any(np.any(a != b) for a, b in zip(leaves(run.state.params), leaves(params)))
