@@ -8,6 +8,7 @@ complete one. Saves are synchronous here: an open async save would hang the proc
 from __future__ import annotations
 
 import os
+import shutil
 
 import jax
 import orbax.checkpoint as ocp
@@ -40,6 +41,18 @@ def set_aside_incomplete(directory: str) -> list[str]:
       os.rename(path, path + ".incomplete")
       moved.append(name)
   return moved
+
+
+def check_free_space(directory: str, state, keep: int) -> None:
+  """Fail before training if the disk cannot hold `keep` + 1 checkpoints of `state` (the
+  newest is written before the oldest is deleted) plus 16 MiB for logs."""
+  need = sum(x.nbytes for x in jax.tree.leaves(state) if hasattr(x, "nbytes")) * (keep + 1)
+  need += 16 * 2**20
+  free = shutil.disk_usage(directory).free
+  if free < need:
+    raise ValueError(f"not enough free disk space in {directory!r} for checkpoints: about "
+                     f"{need / 2**20:.0f} MiB needed ({keep} kept + 1 being written), "
+                     f"{free / 2**20:.0f} MiB free")
 
 
 class Checkpointer:

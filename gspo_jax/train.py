@@ -406,6 +406,7 @@ def train(cfg: TrainConfig, run_dir: str, *, resume: bool = False, checkpoint_ev
   """Cold start (unless resuming), then `cfg.iterations` GSPO iterations. Returns a summary."""
   from gspo_jax import coldstart, evaluate
   run = setup(cfg, run_dir)
+  checkpoint.check_free_space(run_dir, run.state, keep)
   configlib.save_json(cfg, os.path.join(run_dir, "config.json"))
   ckpt = checkpoint.Checkpointer(os.path.join(run_dir, "checkpoints"), every=checkpoint_every,
                                  keep=keep)

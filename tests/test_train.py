@@ -188,3 +188,13 @@ def test_cold_start_stops_at_the_target_accuracy(run, monkeypatch):
                                                   "cold start step    6/10"]
   assert "reached the target accuracy 0.4 at step 6" in lines[-1] and len(lines) == 4
   assert any(np.any(a != b) for a, b in zip(leaves(run.state.params), leaves(params)))
+
+
+def test_full_disk_fails_before_training(tmp_path, monkeypatch):
+  import collections
+  import shutil
+  usage = collections.namedtuple("usage", "total used free")
+  monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 1000, 1000))
+  with pytest.raises(ValueError, match="not enough free disk space"):
+    T.train(tiny_cfg(), str(tmp_path), progress=False)
+  assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "metrics.jsonl").exists()
