@@ -462,7 +462,8 @@ def main(argv=None):
   configlib.add_cli_args(parser)
   parser.add_argument("--run-dir", default=None, help="default: runs/<config file name>")
   parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
-  parser.add_argument("--checkpoint-every", type=int, default=10)
+  parser.add_argument("--checkpoint-every", type=int, default=10, help="iterations between saves")
+  parser.add_argument("--keep-checkpoints", type=int, default=3, help="newest checkpoints kept")
   parser.add_argument("--no-progress", action="store_true")
   args = parser.parse_args(argv)
   try:
@@ -472,7 +473,7 @@ def main(argv=None):
   name = os.path.splitext(os.path.basename(args.config))[0] if args.config else "default"
   run_dir = args.run_dir or os.path.join("runs", name)
   train(cfg, run_dir, resume=args.resume, checkpoint_every=args.checkpoint_every,
-        progress=not args.no_progress)
+        keep=args.keep_checkpoints, progress=not args.no_progress)
 
 
 if __name__ == "__main__":

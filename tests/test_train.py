@@ -198,3 +198,15 @@ def test_full_disk_fails_before_training(tmp_path, monkeypatch):
   with pytest.raises(ValueError, match="not enough free disk space"):
     T.train(tiny_cfg(), str(tmp_path), progress=False)
   assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_cli_runs_and_rejects_unknown_fields(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  with pytest.raises(SystemExit, match="unknown config field 'rollout.groupsize'"):
+    T.main(["--set", "rollout.groupsize=8"])
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  T.main(["--config", os.path.join(root, "configs", "addition_tiny.py"), "--run-dir", "r",
+          "--no-progress", "--keep-checkpoints", "1", "--checkpoint-every", "1",
+          "--set", "iterations=2", "--set", "sft.steps=2", "--set", "eval_size=8",
+          "--set", "rollout.prompts_per_iter=4"])
+  assert sorted(os.listdir(tmp_path / "r" / "checkpoints")) == ["2"]
