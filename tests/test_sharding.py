@@ -1,5 +1,7 @@
 """Mesh construction, the rules table, and sharded initialisation on 8 simulated devices."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +12,12 @@ from jax.sharding import PartitionSpec as P
 from gspo_jax import sharding
 from gspo_jax.models import config, transformer
 from gspo_jax.models.transformer import Transformer
+
+@functools.lru_cache(maxsize=None)
+def reference(cfg):
+  """The single-device model (built once per config, shared by the mesh variants)."""
+  return transformer.create(cfg, seed=5)
+
 
 MESHES = {"data8": sharding.MeshConfig(data=8), "fsdp8": sharding.MeshConfig(data=1, fsdp=8),
           "2x2x2": sharding.MeshConfig(data=2, fsdp=2, tensor=2)}
@@ -46,7 +54,7 @@ def test_rules_table_on_a_mesh():
 def test_sharded_init_and_forward_equal_single_device(mesh_name, cfg):
   mesh = sharding.make_mesh(MESHES[mesh_name])
   model = sharding.init_sharded(Transformer, cfg, mesh, seed=5)
-  ref = transformer.create(cfg, seed=5)
+  ref = reference(cfg)
   is_var = lambda x: isinstance(x, nnx.Variable)
   got = jax.tree.leaves(nnx.state(model), is_leaf=is_var)
   want = jax.tree.leaves(nnx.state(ref), is_leaf=is_var)

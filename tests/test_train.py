@@ -4,6 +4,7 @@ equivalence of the three losses, resume = uninterrupted, config round trip, bad 
 import dataclasses
 import json
 import os
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -91,7 +92,8 @@ def test_resume_equals_uninterrupted(tmp_path, capsys):
   part = str(tmp_path / "part")
   T.train(dataclasses.replace(cfg, iterations=2), part, checkpoint_every=2, progress=False)
   T.train(cfg, part, resume=True, checkpoint_every=2, progress=False)
-  read = lambda d: [json.loads(l) for l in open(os.path.join(d, "metrics.jsonl"))]
+  read = lambda d: [json.loads(l) for l in
+                    pathlib.Path(d, "metrics.jsonl").read_text().splitlines()]
   a, b = read(str(tmp_path / "full")), read(part)
   assert [r["step"] for r in b] == [1, 2, 3, 4]
   for ra, rb in zip(a, b):
@@ -110,7 +112,8 @@ def test_kl_reference_is_the_cold_start_policy_across_resume(tmp_path):
   T.train(dataclasses.replace(cfg, iterations=1), str(tmp_path / "part"), checkpoint_every=1,
           progress=False)
   T.train(cfg, str(tmp_path / "part"), resume=True, checkpoint_every=1, progress=False)
-  read = lambda d: [json.loads(l) for l in open(tmp_path / d / "metrics.jsonl")]
+  read = lambda d: [json.loads(l) for l in
+                    (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
   a, b = read("full"), read("part")
   assert a[-1]["kl"] > 0
   assert a[-1]["kl"] == pytest.approx(b[-1]["kl"], rel=1e-5, abs=1e-7)
@@ -126,7 +129,7 @@ def test_half_written_checkpoint_is_ignored(tmp_path):
   (ckpts / "9.orbax-checkpoint-tmp-42").mkdir()  # orbax's own unfinished save
   T.train(dataclasses.replace(cfg, iterations=3), str(tmp_path), resume=True,
           checkpoint_every=1, progress=False)
-  steps = [json.loads(l)["step"] for l in open(tmp_path / "metrics.jsonl")]
+  steps = [json.loads(l)["step"] for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   assert steps == [1, 2, 3]  # resumed from step 2, the newest complete checkpoint
   assert (ckpts / "7.incomplete").is_dir()  # set aside, not deleted
 
@@ -208,5 +211,6 @@ def test_cli_runs_and_rejects_unknown_fields(tmp_path, monkeypatch):
   T.main(["--config", os.path.join(root, "configs", "addition_tiny.py"), "--run-dir", "r",
           "--no-progress", "--keep-checkpoints", "1", "--checkpoint-every", "1",
           "--set", "iterations=2", "--set", "sft.steps=2", "--set", "eval_size=8",
-          "--set", "rollout.prompts_per_iter=4"])
+          "--set", "rollout.prompts_per_iter=4", "--set", "model.hidden=32",
+          "--set", "model.mlp_dim=64", "--set", "model.head_dim=8"])
   assert sorted(os.listdir(tmp_path / "r" / "checkpoints")) == ["2"]
