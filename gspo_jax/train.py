@@ -29,7 +29,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from gspo_jax import checkpoint, configlib, losses, metrics, sampling
+from gspo_jax import _checks, checkpoint, configlib, losses, metrics, sampling
 from gspo_jax.advantages import group_advantages
 from gspo_jax.models.config import ModelConfig, tiny
 
@@ -105,10 +105,9 @@ class TrainConfig:
   seed: int = 0
 
   def __post_init__(self):
-    losses._checks.check_choice("TrainConfig", "loss", self.loss, tuple(losses.LOSSES))
-    losses._checks.check_choice("TrainConfig", "old_logp", self.old_logp, OLD_LOGP_SOURCES)
-    losses._checks.check_choice("TrainConfig", "kl_estimator", self.kl_estimator,
-                                losses.KL_ESTIMATORS)
+    _checks.check_choice("TrainConfig", "loss", self.loss, tuple(losses.LOSSES))
+    _checks.check_choice("TrainConfig", "old_logp", self.old_logp, OLD_LOGP_SOURCES)
+    _checks.check_choice("TrainConfig", "kl_estimator", self.kl_estimator, losses.KL_ESTIMATORS)
     if (self.rollout.prompts_per_iter * self.rollout.group_size) % self.num_minibatches:
       raise ValueError(f"TrainConfig.num_minibatches ({self.num_minibatches}) must divide "
                        "rollout.prompts_per_iter * rollout.group_size")
@@ -156,11 +155,10 @@ def current_lr(opt_state) -> Array:
 
 
 def _minibatch_loss(params, graphdef, mb: Batch, cfg: TrainConfig):
-  model = nnx.merge(graphdef, params)
-  logp, _ = sampling.response_logprobs(model, mb.prompts_RxP, mb.prompt_lens_R,
-                                       mb.tokens_RxT[:, None], temperature=cfg.rollout.temperature)
+  logp = score_logprobs(params, graphdef, mb.prompts_RxP, mb.prompt_lens_R, mb.tokens_RxT,
+                        cfg.rollout.temperature)
   return losses.LOSSES[cfg.loss](
-      logp[:, 0], mb.old_logp_RxT, mb.adv_R, mb.mask_RxT, eps_low=cfg.eps_low,
+      logp, mb.old_logp_RxT, mb.adv_R, mb.mask_RxT, eps_low=cfg.eps_low,
       eps_high=cfg.eps_high, ref_logp_BxT=mb.ref_logp_RxT, kl_coef=cfg.kl_coef,
       kl_estimator=cfg.kl_estimator)
 
