@@ -18,8 +18,11 @@ import numpy as np
 
 
 def is_concrete(x: Any) -> bool:
-  """True when `x` holds data we can read now (not a tracer inside jit/vmap/grad)."""
-  return not isinstance(x, jax.core.Tracer)
+  """True when `x` holds data this process can read now: not a tracer inside jit/vmap/grad,
+  and not a multi-host global array with rows on other processes."""
+  if isinstance(x, jax.core.Tracer):
+    return False
+  return not isinstance(x, jax.Array) or x.is_fully_addressable
 
 
 def check_rank(fn: str, name: str, x: Any, rank: int, dims: str) -> None:

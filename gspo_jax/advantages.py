@@ -50,7 +50,8 @@ def group_advantages(rewards_BxG: Array, *, eps: float = 1e-6, scale_by_std: boo
   if _checks.is_concrete(rewards_BxG):
     _raise_on_nan(fn, rewards_BxG)
   else:
-    jax.debug.callback(lambda r: _raise_on_nan(fn, r), rewards_BxG)
+    # partitioned: each device checks its own rows (no gather of a sharded batch to one host).
+    jax.debug.callback(lambda r: _raise_on_nan(fn, r), rewards_BxG, partitioned=True)
   r = jnp.asarray(rewards_BxG)
   r = r.astype(jnp.promote_types(r.dtype, jnp.float32))
   centred = r - jnp.mean(r, axis=1, keepdims=True)

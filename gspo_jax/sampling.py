@@ -19,14 +19,16 @@ what a trainer recomputes with `response_logprobs(..., temperature=...)`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
-from gspo_jax import _checks
+from gspo_jax import _checks, sharding
 from gspo_jax.logprobs import token_logprobs_from_hidden
 from gspo_jax.models.transformer import KVCache, Transformer
 
@@ -140,7 +142,7 @@ def _record(state: _LoopState, token_BxG, logp_BxG, entropy_BxG, cfg: SamplerCon
                        entropy_BxGxT=put(state.entropy_BxGxT, entropy_BxG))
 
 
-def _sample(graphdef, params, prompts_BxP, prompt_lens_B, key, cfg: SamplerConfig) -> Rollout:
+def _sample(graphdef, params, prompts_BxP, prompt_lens_B, key, *, cfg: SamplerConfig) -> Rollout:
   model: Transformer = nnx.merge(graphdef, params)
   B, P = prompts_BxP.shape
   G, T = cfg.group_size, cfg.max_new_tokens
@@ -182,8 +184,35 @@ def _finish(tokens_BxGxT, logp_BxGxT, entropy_BxGxT, steps, cfg: SamplerConfig) 
                  truncated_BxG=~ended, steps=steps)
 
 
-# The one compiled program of the rollout phase: prefill, the decode loop and bookkeeping.
-_sample_jit = jax.jit(_sample, static_argnames=("graphdef", "cfg"))
+_PROGRAMS: dict = {}
+
+
+def sampler_program(graphdef, params, cfg: SamplerConfig, mesh: Mesh | None = None):
+  """The rollout phase's one compiled program: prefill, the decode loop and bookkeeping.
+
+  With a mesh, its shardings are declared here: parameters by the rules table
+  (`sharding.param_shardings`), prompts and every (B, ...) output split by rows over the
+  batch mesh axes, the key and `steps` replicated. Nothing is donated: the sampler replaces
+  none of its inputs (its KV cache lives and dies inside the program). One program per
+  (model structure, cfg, mesh), cached.
+  """
+  leaves = jax.tree.leaves(params)
+  cache_key = (graphdef, cfg, mesh, jax.tree.structure(params),
+               tuple((x.shape, str(x.dtype)) for x in leaves))
+  if cache_key not in _PROGRAMS:
+    fn = functools.partial(_sample, graphdef, cfg=cfg)
+    if mesh is None:
+      _PROGRAMS[cache_key] = jax.jit(fn)
+    else:
+      rows = lambda ndim: sharding.batch_sharding(mesh, ndim)
+      rep = sharding.replicated(mesh)
+      out = Rollout(tokens_BxGxT=rows(3), mask_BxGxT=rows(3), logp_BxGxT=rows(3),
+                    entropy_BxGxT=rows(3), lengths_BxG=rows(2), eos_BxG=rows(2),
+                    truncated_BxG=rows(2), steps=rep)
+      _PROGRAMS[cache_key] = jax.jit(
+          fn, in_shardings=(sharding.param_shardings(params, mesh), rows(2), rows(1), rep),
+          out_shardings=out)
+  return _PROGRAMS[cache_key]
 
 
 def _validate_prompts(fn: str, prompts_BxP, prompt_lens_B, cfg: SamplerConfig) -> None:
@@ -204,20 +233,26 @@ def _validate_prompts(fn: str, prompts_BxP, prompt_lens_B, cfg: SamplerConfig) -
 
 
 def sample_groups(model: Transformer, prompts_BxP: Array, prompt_lens_B: Array, key: Array,
-                  cfg: SamplerConfig) -> Rollout:
+                  cfg: SamplerConfig, *, mesh: Mesh | None = None) -> Rollout:
   """Sample `cfg.group_size` responses for each prompt (one jitted call, deterministic per key).
 
   Args:
     model: the policy (its current parameters are used; the model is not modified).
     prompts_BxP: right-padded prompt ids. prompt_lens_B: valid prompt tokens per row (>= 1).
     key: a jax.random key. cfg: SamplerConfig.
+    mesh: run sharded over this mesh (B must divide over its batch axes); the outputs are
+      then global arrays split by rows. In multi-host runs pass global arrays
+      (`sharding.to_global`).
   Returns:
     Rollout with (B, G, T) tokens, mask, sampler log-probs, lengths, eos and truncation flags.
   """
   _validate_prompts("sample_groups", prompts_BxP, prompt_lens_B, cfg)
+  if mesh is not None:
+    sharding.check_rows("the number of prompts B", np.shape(prompts_BxP)[0], mesh)
   graphdef, params = nnx.split(model)
-  return _sample_jit(graphdef, params, jnp.asarray(prompts_BxP, jnp.int32),
-                     jnp.asarray(prompt_lens_B, jnp.int32), key, cfg)
+  program = sampler_program(graphdef, params, cfg, mesh)
+  return program(params, jnp.asarray(prompts_BxP, jnp.int32),
+                 jnp.asarray(prompt_lens_B, jnp.int32), key)
 
 
 def response_logprobs(model: Transformer, prompts_BxP: Array, prompt_lens_B: Array,

@@ -17,6 +17,8 @@ import math
 from typing import Any, Mapping
 
 import jax
+import numpy as np
+import optax
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
@@ -39,32 +41,55 @@ ACTIVATION_RULES: Mapping[str, Any] = {
     "seq": None,
 }
 
+# The config field behind each logical parameter axis (named in divisibility errors).
+AXIS_FIELDS: Mapping[str, str] = {
+    "vocab": "model.vocab_size", "embed": "model.hidden", "heads": "model.num_heads",
+    "kv_heads": "model.num_kv_heads", "head_dim": "model.head_dim",
+    "mlp": "model.mlp_dim (or model.moe_mlp_dim)", "expert": "model.num_experts",
+}
+
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-  """Mesh shape; -1 on one axis takes all remaining devices. Any axis may be 1."""
+  """Mesh shape over `num_devices` devices (0 = every device of every process); -1 on one
+  axis takes all remaining devices. Any axis may be 1.
+
+    data:   pure data parallelism (parameters replicated)
+    fsdp:   rows of the batch *and* the parameters' residual dimension are split (ZeRO-3)
+    tensor: heads / mlp / vocab split (Megatron-style), activations all-reduced
+  """
   data: int = -1
   fsdp: int = 1
   tensor: int = 1
+  num_devices: int = 0
 
   def shape(self, num_devices: int) -> tuple[int, int, int]:
     sizes = [self.data, self.fsdp, self.tensor]
     if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
-      raise ValueError(f"MeshConfig: each of data/fsdp/tensor must be >= 1, and at most one may "
-                       f"be -1; got {self}")
+      raise ValueError(f"mesh: each of mesh.data / mesh.fsdp / mesh.tensor must be >= 1, and at "
+                       f"most one may be -1; got {self}")
     known = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
       if num_devices % known:
-        raise ValueError(f"MeshConfig {self}: {num_devices} devices do not divide by {known}")
+        raise ValueError(f"mesh: {num_devices} devices do not divide by the fixed mesh axes "
+                         f"({known}); got {self}")
       sizes[sizes.index(-1)] = num_devices // known
     if math.prod(sizes) != num_devices:
-      raise ValueError(f"MeshConfig {self}: data*fsdp*tensor = {math.prod(sizes)} must equal the "
-                       f"number of devices ({num_devices})")
+      raise ValueError(f"mesh: mesh.data * mesh.fsdp * mesh.tensor = {math.prod(sizes)} must equal "
+                       f"the number of devices ({num_devices}); got {self}")
     return tuple(sizes)
 
 
 def make_mesh(cfg: MeshConfig = MeshConfig(), devices=None) -> Mesh:
-  devices = jax.devices() if devices is None else devices
+  """An `AxisType.Auto` mesh with axes MESH_AXES. Devices default to all of them (every
+  process's, in multi-host runs), or the first `cfg.num_devices`."""
+  devices = jax.devices() if devices is None else list(devices)
+  if cfg.num_devices:
+    if cfg.num_devices > len(devices) or (jax.process_count() > 1 and
+                                          cfg.num_devices != len(devices)):
+      raise ValueError(f"mesh: mesh.num_devices = {cfg.num_devices} but {len(devices)} devices "
+                       f"are available over {jax.process_count()} process(es)")
+    devices = devices[:cfg.num_devices]
   shape = cfg.shape(len(devices))
   return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
                        devices=devices)
@@ -72,17 +97,27 @@ def make_mesh(cfg: MeshConfig = MeshConfig(), devices=None) -> Mesh:
 
 def spec_for(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh,
              rules: Mapping[str, Any] = PARAM_RULES) -> P:
-  """PartitionSpec for an array with these logical axes. A dimension stays replicated when
-  its size does not divide by the mesh axis, or when that mesh axis is already used by an
-  earlier dimension (a spec may name each mesh axis once)."""
+  """PartitionSpec for an array with these logical axes.
+
+  A mesh axis names at most one dimension of a spec: a later dimension mapped to a mesh
+  axis already in use stays replicated. An unknown logical name, or a dimension that the
+  mesh axis does not divide, is a ValueError naming the config field to change.
+  """
   used, out = set(), []
   for name, size in zip(axes, shape):
+    if name is not None and name not in rules:
+      raise ValueError(f"unknown logical axis {name!r} (the rules table knows {sorted(rules)})")
     target = rules.get(name) if name is not None else None
     names = () if target is None else (target if isinstance(target, tuple) else (target,))
     ways = math.prod(mesh.shape[n] for n in names) if names else 1
-    if not names or used & set(names) or size % ways or ways == 1:
+    if ways == 1 or used & set(names):
       out.append(None)
       continue
+    if size % ways:
+      field = AXIS_FIELDS.get(name, f"the {name!r} dimension")
+      raise ValueError(f"{field} = {size} is not divisible by mesh axis "
+                       f"{' x '.join(f'mesh.{n}={mesh.shape[n]}' for n in names)}: choose a "
+                       f"mesh that divides it (logical axis {name!r})")
     used |= set(names)
     out.append(names[0] if len(names) == 1 else names)
   return P(*out)
@@ -100,17 +135,94 @@ def param_shardings(abstract_state, mesh: Mesh, rules: Mapping[str, Any] = PARAM
   return jax.tree.map(one, abstract_state, is_leaf=_is_variable)
 
 
+def optimizer_shardings(tx, abstract_params, params_sharding, mesh: Mesh):
+  """Shardings of `tx.init(params)`: moments follow their parameter, the rest (counts,
+  injected hyperparameters) is replicated."""
+  abstract_opt = jax.eval_shape(tx.init, abstract_params)
+  return optax.tree_map_params(tx, lambda _, s: s, abstract_opt, params_sharding,
+                               transform_non_params=lambda _: replicated(mesh),
+                               is_leaf=_is_variable)
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())
+
+
+def batch_ways(mesh: Mesh) -> int:
+  """How many ways the rows of a batch are split."""
+  return math.prod(mesh.shape[n] for n in ACTIVATION_RULES["batch"])
+
+
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
   """Rows split over the batch mesh axes, everything else replicated."""
   return NamedSharding(mesh, P(ACTIVATION_RULES["batch"], *([None] * (ndim - 1))))
+
+
+def check_rows(field: str, rows: int, mesh: Mesh) -> None:
+  """A batch dimension set by config `field` must divide over the batch mesh axes."""
+  ways = batch_ways(mesh)
+  if rows % ways:
+    raise ValueError(f"{field} = {rows} is not divisible by the batch mesh axes "
+                     f"mesh.data * mesh.fsdp = {ways}: rows of a batch are split over them")
 
 
 def init_sharded(model_cls, cfg, mesh: Mesh, seed: int = 0):
   """Build `model_cls(cfg, rngs=nnx.Rngs(seed))` with every parameter created directly in its
   sharding: shapes come from `nnx.eval_shape`, and one `jax.jit` with `out_shardings`
   runs the initialisers, so no device ever holds the full parameter set."""
+  graphdef, program = init_program(model_cls, cfg, mesh, seed)
+  return nnx.merge(graphdef, program())
+
+
+def init_program(model_cls, cfg, mesh: Mesh, seed: int = 0):
+  """(graphdef, the jitted initialiser with out_shardings) behind `init_sharded`; lower and
+  compile it to see per-device memory without allocating anything."""
   make = lambda: model_cls(cfg, rngs=nnx.Rngs(seed))
   graphdef, abstract = nnx.split(nnx.eval_shape(make))
-  shardings = param_shardings(abstract, mesh)
-  state = jax.jit(lambda: nnx.state(make()), out_shardings=shardings)()
-  return nnx.merge(graphdef, state)
+  return graphdef, jax.jit(lambda: nnx.state(make()), out_shardings=param_shardings(abstract, mesh))
+
+
+# ------------------------------------------------------------------------------ multi-host data
+# Each process feeds, and reads back, only the rows of a batch that live on its own devices.
+
+
+def local_rows(sharding: NamedSharding, rows: int) -> slice:
+  """The rows of a (rows, ...) array with this sharding that this process's devices hold."""
+  index = sharding.addressable_devices_indices_map((rows,))
+  starts = sorted({idx[0].indices(rows)[0] for idx in index.values()})
+  stops = sorted({idx[0].indices(rows)[1] for idx in index.values()})
+  lo, hi = starts[0], stops[-1]
+  covered = sum(b - a for a, b in zip(starts, stops))
+  if covered != hi - lo:
+    raise ValueError("this process's rows of the batch are not contiguous; order the mesh "
+                     "devices by process (jax.make_mesh does)")
+  return slice(lo, hi)
+
+
+def to_global(local, sharding: NamedSharding, global_shape: tuple[int, ...]) -> jax.Array:
+  """A global array from this process's rows (`local_rows`); one process: a device_put."""
+  return jax.make_array_from_process_local_data(sharding, np.asarray(local), global_shape)
+
+
+def to_host(x: jax.Array) -> np.ndarray:
+  """This process's rows of a row-sharded global array, in order, as numpy."""
+  if x.is_fully_addressable:
+    rows = slice(0, x.shape[0]) if jax.process_count() == 1 else local_rows(x.sharding, x.shape[0])
+    return np.asarray(x)[rows]
+  shards = {s.index[0].indices(x.shape[0])[0]: s.data for s in x.addressable_shards}
+  return np.concatenate([np.asarray(shards[k]) for k in sorted(shards)], axis=0)
+
+
+def gather_rows(local: np.ndarray) -> np.ndarray:
+  """Every process's rows of a host array, concatenated in process order (for metrics)."""
+  if jax.process_count() == 1:
+    return np.asarray(local)
+  from jax.experimental import multihost_utils
+  return np.asarray(multihost_utils.process_allgather(np.asarray(local), tiled=True))
+
+
+def barrier(name: str) -> None:
+  """Wait for every process (no-op with one)."""
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices(name)

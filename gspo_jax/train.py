@@ -28,8 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from gspo_jax import _checks, checkpoint, configlib, losses, metrics, sampling
+from gspo_jax import _checks, checkpoint, configlib, losses, metrics, sampling, sharding
 from gspo_jax.advantages import group_advantages
 from gspo_jax.models.config import ModelConfig, tiny
 
@@ -103,6 +104,7 @@ class TrainConfig:
   eval_every: int = 10
   eval_size: int = 256
   seed: int = 0
+  mesh: sharding.MeshConfig = sharding.MeshConfig()   # default: every device on `data`
 
   def __post_init__(self):
     _checks.check_choice("TrainConfig", "loss", self.loss, tuple(losses.LOSSES))
@@ -177,12 +179,20 @@ def _apply_step(state_parts, mb: Batch, graphdef, tx, cfg: TrainConfig):
   return (keep(new_params, params), keep(new_opt, opt_state)), metrics
 
 
-def update(state: TrainState, batch: Batch, graphdef, tx, cfg: TrainConfig):
+def update(state: TrainState, batch: Batch, *, graphdef, tx, cfg: TrainConfig, mesh=None):
   """Shuffle the R rows, split into `num_minibatches`, one step each (scan). Returns the new
-  state and the per-minibatch metrics averaged (skipped_updates summed)."""
+  state and the per-minibatch metrics averaged (skipped_updates summed). With a mesh, each
+  minibatch's rows stay split over the batch mesh axes."""
   R = batch.adv_R.shape[0]
   perm = jax.random.permutation(jax.random.fold_in(state.key, 2 * state.step + 1), R)
-  split = lambda x: None if x is None else x[perm].reshape(cfg.num_minibatches, -1, *x.shape[1:])
+
+  def split(x):
+    x = x[perm].reshape(cfg.num_minibatches, -1, *x.shape[1:])
+    if mesh is None:
+      return x
+    spec = P(None, sharding.ACTIVATION_RULES["batch"], *([None] * (x.ndim - 2)))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
   minibatches = jax.tree.map(split, batch)
   step = functools.partial(_apply_step, graphdef=graphdef, tx=tx, cfg=cfg)
   (params, opt_state), metrics = jax.lax.scan(step, (state.params, state.opt_state), minibatches)
@@ -193,19 +203,12 @@ def update(state: TrainState, batch: Batch, graphdef, tx, cfg: TrainConfig):
   return state.replace(params=params, opt_state=opt_state, step=state.step + 1), summary
 
 
-# The update phase's one compiled program; the state is donated (updated in place).
-_update_jit = jax.jit(update, static_argnames=("graphdef", "tx", "cfg"), donate_argnums=(0,))
-
-
 def score_logprobs(params, graphdef, prompts_RxP, lens_R, tokens_RxT, temperature):
   """Teacher-forced log-probs of the rollout rows under `params` (pi_old or pi_ref)."""
   model = nnx.merge(graphdef, params)
   logp, _ = sampling.response_logprobs(model, prompts_RxP, lens_R, tokens_RxT[:, None],
                                        temperature=temperature)
   return logp[:, 0]
-
-
-_score_jit = jax.jit(score_logprobs, static_argnames=("graphdef", "temperature"))
 
 
 def flatten_rollout(prompts_BxP, lens_B, rollout: sampling.Rollout):
@@ -216,26 +219,89 @@ def flatten_rollout(prompts_BxP, lens_B, rollout: sampling.Rollout):
           rollout.mask_BxGxT.reshape(B * G, T), rollout.logp_BxGxT.reshape(B * G, T))
 
 
-def build_batch(state: TrainState, graphdef, prompts_BxP, lens_B, rollout, rewards_BxG,
-                cfg: TrainConfig, ref_params=None) -> Batch:
-  """Advantages, pi_old (recomputed or the sampler's) and pi_ref for the update."""
+def prepare(params, ref_params, prompts_BxP, lens_B, rollout: sampling.Rollout, rewards_BxG, *,
+            graphdef, cfg: TrainConfig) -> Batch:
+  """Advantages, pi_old (recomputed or the sampler's) and pi_ref (when ref_params is given)."""
   prompts, lens, tokens, mask, sampler_logp = flatten_rollout(prompts_BxP, lens_B, rollout)
   adv = group_advantages(rewards_BxG).reshape(-1)
   temp = cfg.rollout.temperature
   if cfg.old_logp == "recompute":
-    old = _score_jit(state.params, graphdef, prompts, lens, tokens, temp)
+    old = score_logprobs(params, graphdef, prompts, lens, tokens, temp)
   else:
     old = sampler_logp
-  ref = None
-  if ref_params is not None and cfg.kl_coef:
-    ref = _score_jit(ref_params, graphdef, prompts, lens, tokens, temp)
+  ref = None if ref_params is None else score_logprobs(ref_params, graphdef, prompts, lens,
+                                                       tokens, temp)
   return Batch(prompts, lens, tokens, mask, old * mask, adv, ref)
 
 
-def init_state(model, tx, seed: int) -> tuple[Any, TrainState]:
-  graphdef, params = nnx.split(model, nnx.Param)
-  return graphdef, TrainState(params=params, opt_state=tx.init(params),
-                              step=jnp.zeros((), jnp.int32), key=jax.random.key(seed))
+# ------------------------------------------------------------------------------ programs
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """Where every array of a run lives: the mesh and the shardings of the state and batches."""
+  mesh: Mesh
+  state: TrainState       # of NamedShardings
+  batch: Batch            # of NamedShardings (rows over the batch mesh axes)
+  rollout: sampling.Rollout
+
+  def rows(self, ndim: int) -> NamedSharding:
+    return sharding.batch_sharding(self.mesh, ndim)
+
+  @property
+  def replicated(self) -> NamedSharding:
+    return sharding.replicated(self.mesh)
+
+
+def make_layout(params, tx, mesh: Mesh, with_ref: bool) -> Layout:
+  ps = sharding.param_shardings(params, mesh)
+  rep, rows = sharding.replicated(mesh), functools.partial(sharding.batch_sharding, mesh)
+  state = TrainState(params=ps, opt_state=sharding.optimizer_shardings(tx, params, ps, mesh),
+                     step=rep, key=rep)
+  batch = Batch(rows(2), rows(1), rows(2), rows(2), rows(2), rows(1),
+                rows(2) if with_ref else None)
+  rollout = sampling.Rollout(rows(3), rows(3), rows(3), rows(3), rows(2), rows(2), rows(2), rep)
+  return Layout(mesh, state, batch, rollout)
+
+
+@dataclasses.dataclass(frozen=True)
+class Programs:
+  """The compiled phases of a run (rollout is `sampling.sample_groups(..., mesh=)`), each one
+  `jax.jit` with its shardings and donation declared here."""
+  init: Any       # params -> TrainState (fresh optimiser state, step 0)
+  prepare: Any    # (params, ref_params | None, prompts, lens, rollout, rewards) -> Batch
+  update: Any     # (state, batch) -> (state, metrics); the state is donated
+
+
+def make_programs(graphdef, tx, cfg: TrainConfig, layout: Layout) -> Programs:
+  rep, ps = layout.replicated, layout.state.params
+  ref_sh = ps if cfg.kl_coef else None
+
+  def init(params):
+    return TrainState(params=params, opt_state=tx.init(params), step=jnp.zeros((), jnp.int32),
+                      key=jax.random.key(cfg.seed))
+
+  return Programs(
+      init=jax.jit(init, in_shardings=(ps,), out_shardings=layout.state),
+      prepare=jax.jit(
+          functools.partial(prepare, graphdef=graphdef, cfg=cfg),
+          in_shardings=(ps, ref_sh, layout.rows(2), layout.rows(1), layout.rollout, layout.rows(2)),
+          out_shardings=layout.batch),
+      update=jax.jit(
+          functools.partial(update, graphdef=graphdef, tx=tx, cfg=cfg, mesh=layout.mesh),
+          in_shardings=(layout.state, layout.batch), out_shardings=(layout.state, rep),
+          donate_argnums=(0,)))
+
+
+def check_layout(cfg: TrainConfig, mesh: Mesh) -> None:
+  """Every batch dimension must divide over the batch mesh axes (a clear error otherwise)."""
+  r = cfg.rollout
+  sharding.check_rows("rollout.prompts_per_iter", r.prompts_per_iter, mesh)
+  sharding.check_rows("rows per minibatch (rollout.prompts_per_iter * rollout.group_size / "
+                      "num_minibatches)", r.prompts_per_iter * r.group_size // cfg.num_minibatches,
+                      mesh)
+  if cfg.sft.steps > 0:
+    sharding.check_rows("sft.batch_size", cfg.sft.batch_size, mesh)
 
 
 # ------------------------------------------------------------------------------ text <-> ids
@@ -294,44 +360,70 @@ def make_tokenizer(task, cfg: TrainConfig, run_dir: str):
   """Train the task tokenizer (or load the run's own on resume), saved next to the run."""
   from gspo_jax.tokenizer import SentencePieceTokenizer
   path = os.path.join(run_dir, "tokenizer.model")
-  if os.path.exists(path):
-    return SentencePieceTokenizer.load(run_dir)
-  corpus = task.corpus(np.random.default_rng([cfg.seed, 31_337]), 20_000)
-  tok = SentencePieceTokenizer.train(corpus, vocab_size=cfg.model.vocab_size)
-  tok.save(run_dir)
-  return tok
+  if not os.path.exists(path) and jax.process_index() == 0:
+    corpus = task.corpus(np.random.default_rng([cfg.seed, 31_337]), 20_000)
+    SentencePieceTokenizer.train(corpus, vocab_size=cfg.model.vocab_size).save(run_dir)
+  sharding.barrier("tokenizer")  # multi-host: the run directory must be shared by all hosts
+  if not os.path.exists(path):
+    raise ValueError(f"process {jax.process_index()} cannot see {path}: in multi-host runs the "
+                     "run directory must be on a filesystem every host shares")
+  return SentencePieceTokenizer.load(run_dir)
 
 
-def rollout_step(state: TrainState, graphdef, task, tok, cfg: TrainConfig, ref_params=None):
-  """Sample, score and build the update batch for iteration `state.step`."""
+def local_examples(examples, mesh: Mesh):
+  """This process's share of a global batch: every process draws the same examples (a pure
+  function of seed and step), and encodes only the rows its devices hold."""
+  return examples[sharding.local_rows(sharding.batch_sharding(mesh), len(examples))]
+
+
+def feed(local, mesh: Mesh, rows: int) -> jax.Array:
+  """A global row-sharded array from this process's rows."""
+  local = np.asarray(local)
+  return sharding.to_global(local, sharding.batch_sharding(mesh, local.ndim),
+                            (rows, *local.shape[1:]))
+
+
+def rollout_step(run: "Run", state: TrainState, ref_params=None):
+  """Sample, score and build the update batch for iteration `state.step`.
+
+  Multi-host: each process encodes its rows of the prompt batch, decodes and scores the
+  responses on its own devices, and feeds its rows of the rewards back; metrics are
+  gathered over processes."""
   from gspo_jax.tasks.base import score
+  cfg, tok, mesh = run.cfg, run.tok, run.layout.mesh
   times, it = {}, int(state.step)
+  B = cfg.rollout.prompts_per_iter
   rng = np.random.default_rng([cfg.seed, it])  # data position = iteration: resume is exact
-  examples = task.sample(rng, cfg.rollout.prompts_per_iter, "train")
-  prompts, lens = encode_prompts(tok, examples, cfg.rollout.max_prompt_len)
-  scfg = sampler_config(tok, cfg)
+  examples = local_examples(run.task.sample(rng, B, "train"), mesh)
+  prompts_l, lens_l = encode_prompts(tok, examples, cfg.rollout.max_prompt_len)
+  prompts, lens = feed(prompts_l, mesh, B), feed(lens_l, mesh, B)
   t0 = time.perf_counter()
-  model = nnx.merge(graphdef, state.params)
+  model = nnx.merge(run.graphdef, state.params)
   rollout = jax.block_until_ready(sampling.sample_groups(
-      model, prompts, lens, jax.random.fold_in(state.key, 2 * it), scfg))
+      model, prompts, lens, jax.random.fold_in(state.key, 2 * it), sampler_config(tok, cfg),
+      mesh=mesh))
   times["time_sample"] = time.perf_counter() - t0
   t0 = time.perf_counter()
-  B, G, T = rollout.tokens_BxGxT.shape
-  texts = decode_completions(tok, rollout.tokens_BxGxT.reshape(B * G, T),
-                             rollout.mask_BxGxT.reshape(B * G, T))
+  tokens, mask = sharding.to_host(rollout.tokens_BxGxT), sharding.to_host(rollout.mask_BxGxT)
+  b, G, T = tokens.shape
+  texts = decode_completions(tok, tokens.reshape(b * G, T), mask.reshape(b * G, T))
   group_examples = [e for e in examples for _ in range(G)]
-  rewards = score([task.reward], group_examples, texts).reshape(B, G)
-  correct = np.array([task.is_correct(e, c) for e, c in zip(group_examples, texts)])
+  rewards = score([run.task.reward], group_examples, texts).reshape(b, G)
+  correct = np.array([run.task.is_correct(e, c) for e, c in zip(group_examples, texts)])
   times["time_score"] = time.perf_counter() - t0
   t0 = time.perf_counter()
-  batch = build_batch(state, graphdef, prompts, lens, rollout, rewards, cfg, ref_params)
+  batch = run.programs.prepare(state.params, ref_params, prompts, lens, rollout,
+                               feed(rewards.astype(np.float32), mesh, B))
   jax.block_until_ready(batch.old_logp_RxT)
   times["time_old_logp"] = time.perf_counter() - t0
-  lengths = np.asarray(rollout.lengths_BxG)
+  all_rewards, all_correct = sharding.gather_rows(rewards), sharding.gather_rows(correct)
+  lengths = sharding.gather_rows(mask.sum(-1))
+  truncated = sharding.gather_rows(sharding.to_host(rollout.truncated_BxG))
   entropy = float(jnp.sum(rollout.entropy_BxGxT) / jnp.maximum(jnp.sum(rollout.mask_BxGxT), 1))
-  stats = {"reward_mean": rewards.mean(), "reward_std": rewards.std(), "accuracy": correct.mean(),
-           "response_length": lengths.mean(), "truncated_frac": np.asarray(rollout.truncated_BxG).mean(),
-           "entropy": entropy, "tokens_per_s": lengths.sum() / times["time_sample"], **times}
+  stats = {"reward_mean": all_rewards.mean(), "reward_std": all_rewards.std(),
+           "accuracy": all_correct.mean(), "response_length": lengths.mean(),
+           "truncated_frac": truncated.mean(), "entropy": entropy,
+           "tokens_per_s": lengths.sum() / times["time_sample"], **times}
   return batch, stats
 
 
@@ -351,19 +443,33 @@ class Run:
   graphdef: Any
   state: TrainState
   tx: Any
+  layout: Layout
+  programs: Programs
+
+  def reconfigure(self, cfg: TrainConfig) -> "Run":
+    """The same run and state with other loss settings (the programs are rebuilt)."""
+    layout = make_layout(self.state.params, self.tx, self.layout.mesh, bool(cfg.kl_coef))
+    return dataclasses.replace(self, cfg=cfg, layout=layout,
+                               programs=make_programs(self.graphdef, self.tx, cfg, layout))
 
 
 def setup(cfg: TrainConfig, run_dir: str) -> Run:
-  from gspo_jax.models import transformer
+  """Mesh, task, tokenizer, the sharded model and optimiser state, the compiled phases."""
+  from gspo_jax.models.transformer import Transformer
   from gspo_jax.tasks import make_task
+  mesh = sharding.make_mesh(cfg.mesh)
+  check_layout(cfg, mesh)
   checkpoint.check_writable(run_dir)
   task = make_task(cfg.task, digits=cfg.task_digits)
   tok = make_tokenizer(task, cfg, run_dir)
   if tok.vocab_size > cfg.model.vocab_size:
     raise ValueError(f"tokenizer has {tok.vocab_size} ids > model.vocab_size={cfg.model.vocab_size}")
   tx = make_optimizer(cfg.optim)
-  graphdef, state = init_state(transformer.create(cfg.model, seed=cfg.seed), tx, cfg.seed)
-  return Run(cfg, task, tok, graphdef, state, tx)
+  graphdef, params = nnx.split(sharding.init_sharded(Transformer, cfg.model, mesh, cfg.seed),
+                               nnx.Param)
+  layout = make_layout(params, tx, mesh, bool(cfg.kl_coef))
+  programs = make_programs(graphdef, tx, cfg, layout)
+  return Run(cfg, task, tok, graphdef, programs.init(params), tx, layout, programs)
 
 
 def load_run(run_dir: str, step: int | None = None) -> Run:
@@ -399,13 +505,23 @@ def reference_params(run: Run, run_dir: str, *, fresh: bool):
     ckpt.close()
 
 
+def _log(*args):
+  if jax.process_index() == 0:
+    print(*args, flush=True)
+
+
 def train(cfg: TrainConfig, run_dir: str, *, resume: bool = False, checkpoint_every: int = 10,
           keep: int = 3, progress: bool = True) -> dict[str, Any]:
-  """Cold start (unless resuming), then `cfg.iterations` GSPO iterations. Returns a summary."""
+  """Cold start (unless resuming), then `cfg.iterations` GSPO iterations. Returns a summary.
+
+  Multi-host: every process calls this with the same arguments after
+  `jax.distributed.initialize`; `run_dir` must be shared by all hosts."""
   from gspo_jax import coldstart, evaluate
   run = setup(cfg, run_dir)
+  mesh = run.layout.mesh
   checkpoint.check_free_space(run_dir, run.state, keep)
-  configlib.save_json(cfg, os.path.join(run_dir, "config.json"))
+  if jax.process_index() == 0:
+    configlib.save_json(cfg, os.path.join(run_dir, "config.json"))
   ckpt = checkpoint.Checkpointer(os.path.join(run_dir, "checkpoints"), every=checkpoint_every,
                                  keep=keep)
   writer = None
@@ -416,43 +532,58 @@ def train(cfg: TrainConfig, run_dir: str, *, resume: bool = False, checkpoint_ev
                        f"{ckpt.latest_step()}); pass --resume to continue it, or choose a new "
                        "--run-dir")
     start = ckpt.latest_step() if resume else None
-    log = print
     summary: dict[str, Any] = {}
+    evaluate_now = lambda: evaluate.evaluate(run.state.params, run.graphdef, run.task, run.tok,
+                                             held, cfg, mesh=mesh)["accuracy"]
     if start is not None:
       run.state = ckpt.restore(run.state)
-      log(f"resumed from checkpoint step {start} in {run_dir}")
+      _log(f"resumed from checkpoint step {start} in {run_dir}")
     else:
-      params = coldstart.cold_start(run.state.params, run.graphdef, run.task, run.tok, cfg, log=log)
-      run.state = run.state.replace(params=params, opt_state=run.tx.init(params))
+      params = coldstart.cold_start(run.state.params, run.graphdef, run.task, run.tok, cfg,
+                                    mesh=mesh, log=_log)
+      run.state = run.programs.init(params)
       ckpt.maybe_save(0, run.state, force=True)
-    before = evaluate.evaluate(run.state.params, run.graphdef, run.task, run.tok, held, cfg)
-    summary["heldout_accuracy_start"] = before["accuracy"]
-    log(f"held-out accuracy at step {int(run.state.step)}: {before['accuracy']:.3f}")
+    summary["heldout_accuracy_start"] = evaluate_now()
+    _log(f"held-out accuracy at step {int(run.state.step)}: "
+         f"{summary['heldout_accuracy_start']:.3f}")
     writer = metrics.MetricsWriter(run_dir, total=cfg.iterations, initial=int(run.state.step),
                                    progress=progress)
     ref_params = reference_params(run, run_dir, fresh=start is None) if cfg.kl_coef else None
     while int(run.state.step) < cfg.iterations:
-      batch, stats = rollout_step(run.state, run.graphdef, run.task, run.tok, cfg, ref_params)
+      batch, stats = rollout_step(run, run.state, ref_params)
       t0 = time.perf_counter()
-      run.state, m = _update_jit(run.state, batch, run.graphdef, run.tx, cfg)
+      run.state, m = run.programs.update(run.state, batch)
       m = {**jax.device_get(m), **stats, "time_update": time.perf_counter() - t0}
       step = int(run.state.step)
       if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.iterations):
-        m["heldout_accuracy"] = evaluate.evaluate(run.state.params, run.graphdef, run.task,
-                                                  run.tok, held, cfg)["accuracy"]
+        m["heldout_accuracy"] = evaluate_now()
       writer.write(step, m, show=SHOW)
       ckpt.maybe_save(step, run.state, force=step == cfg.iterations)
       summary["last"] = m
-    after = evaluate.evaluate(run.state.params, run.graphdef, run.task, run.tok, held, cfg)
-    summary["heldout_accuracy_end"] = after["accuracy"]
+    summary["heldout_accuracy_end"] = evaluate_now()
     writer.print(f"held-out accuracy: {summary['heldout_accuracy_start']:.3f} at the start, "
-                 f"{after['accuracy']:.3f} after {cfg.iterations} {cfg.loss} iterations "
-                 f"({len(held)} problems, seed {cfg.seed})")
+                 f"{summary['heldout_accuracy_end']:.3f} after {cfg.iterations} {cfg.loss} "
+                 f"iterations ({len(held)} problems, seed {cfg.seed})")
     return summary
   finally:
     if writer is not None:
       writer.close()
     ckpt.close()
+
+
+def init_distributed(args) -> None:
+  """Join the processes of a multi-host run (JAX's own runtime; before any JAX computation).
+
+  On Cloud TPU, `--distributed` alone is enough: JAX finds the coordinator and the process
+  ids from the TPU metadata. Elsewhere (CPU or GPU hosts) give the coordinator address, the
+  number of processes and this one's id."""
+  if args.cpu_devices:
+    jax.config.update("jax_num_cpu_devices", args.cpu_devices)
+  if args.coordinator_address or args.num_processes:
+    jax.distributed.initialize(coordinator_address=args.coordinator_address,
+                               num_processes=args.num_processes, process_id=args.process_id)
+  elif args.distributed:
+    jax.distributed.initialize()
 
 
 def main(argv=None):
@@ -463,15 +594,28 @@ def main(argv=None):
   parser.add_argument("--checkpoint-every", type=int, default=10, help="iterations between saves")
   parser.add_argument("--keep-checkpoints", type=int, default=3, help="newest checkpoints kept")
   parser.add_argument("--no-progress", action="store_true")
+  dist = parser.add_argument_group("multi-host (see README: Running on Cloud TPU)")
+  dist.add_argument("--distributed", action="store_true",
+                    help="jax.distributed.initialize() with auto-detection (Cloud TPU pods)")
+  dist.add_argument("--coordinator-address", default=None, help="host:port of process 0")
+  dist.add_argument("--num-processes", type=int, default=None)
+  dist.add_argument("--process-id", type=int, default=None)
+  dist.add_argument("--cpu-devices", type=int, default=0,
+                    help="simulate this many devices per process on CPU")
   args = parser.parse_args(argv)
   try:
     cfg = configlib.config_from_args(args, TrainConfig)
   except ValueError as e:
     raise SystemExit(f"config error: {e}") from None
+  init_distributed(args)
   name = os.path.splitext(os.path.basename(args.config))[0] if args.config else "default"
   run_dir = args.run_dir or os.path.join("runs", name)
-  train(cfg, run_dir, resume=args.resume, checkpoint_every=args.checkpoint_every,
-        keep=args.keep_checkpoints, progress=not args.no_progress)
+  try:
+    train(cfg, run_dir, resume=args.resume, checkpoint_every=args.checkpoint_every,
+          keep=args.keep_checkpoints, progress=not args.no_progress)
+  finally:
+    if jax.process_count() > 1:
+      jax.distributed.shutdown()
 
 
 if __name__ == "__main__":

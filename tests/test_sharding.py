@@ -31,22 +31,46 @@ def test_mesh_shapes(cfg, shape):
   assert tuple(mesh.shape.values()) == shape and mesh.axis_names == sharding.MESH_AXES
 
 
-@pytest.mark.parametrize("cfg", [sharding.MeshConfig(data=3), sharding.MeshConfig(data=-1, fsdp=-1),
-                                 sharding.MeshConfig(data=2, fsdp=3, tensor=1),
-                                 sharding.MeshConfig(data=0)])
-def test_bad_mesh_is_a_clear_error(cfg):
-  with pytest.raises(ValueError, match="MeshConfig"):
+@pytest.mark.parametrize("cfg,field", [
+    (sharding.MeshConfig(data=3), "mesh.data \\* mesh.fsdp \\* mesh.tensor = 3 must equal the number of devices \\(8\\)"),
+    (sharding.MeshConfig(data=-1, fsdp=-1), "at most one may be -1"),
+    (sharding.MeshConfig(data=2, fsdp=3, tensor=1), "= 6 must equal"),
+    (sharding.MeshConfig(data=0), "must be >= 1"),
+    (sharding.MeshConfig(data=-1, fsdp=3), "8 devices do not divide"),
+    (sharding.MeshConfig(num_devices=16), "mesh.num_devices = 16 but 8 devices")])
+def test_bad_mesh_is_a_clear_error(cfg, field):
+  with pytest.raises(ValueError, match=field):
     sharding.make_mesh(cfg)
+
+
+def test_mesh_over_some_devices():
+  mesh = sharding.make_mesh(sharding.MeshConfig(data=2, num_devices=2))
+  assert tuple(mesh.shape.values()) == (2, 1, 1) and list(mesh.devices.flat) == jax.devices()[:2]
 
 
 def test_rules_table_on_a_mesh():
   mesh = sharding.make_mesh(MESHES["2x2x2"])
   assert sharding.spec_for(("embed", "heads", "head_dim"), (64, 4, 32), mesh) == P("fsdp", "tensor", None)
   assert sharding.spec_for(("vocab", "embed"), (64, 64), mesh) == P("tensor", "fsdp")
-  # Not divisible by the mesh axis -> replicated; a mesh axis is used once per spec.
-  assert sharding.spec_for(("embed", "kv_heads", "head_dim"), (64, 1, 32), mesh) == P("fsdp", None, None)
+  # A mesh axis is used once per spec: the later dimension stays replicated.
   assert sharding.spec_for(("heads", "kv_heads"), (4, 4), mesh) == P("tensor", None)
+  assert sharding.spec_for(("embed", None), (64, 3), mesh) == P("fsdp", None)
   assert sharding.batch_sharding(mesh).spec == P(("data", "fsdp"), None)
+  assert sharding.batch_sharding(mesh, 3).spec == P(("data", "fsdp"), None, None)
+
+
+def test_rules_errors_name_the_config_field():
+  mesh = sharding.make_mesh(MESHES["2x2x2"])
+  with pytest.raises(ValueError, match=r"model.num_kv_heads = 1 is not divisible by mesh axis mesh.tensor=2"):
+    sharding.spec_for(("embed", "kv_heads", "head_dim"), (64, 1, 32), mesh)
+  with pytest.raises(ValueError, match=r"model.hidden = 5 .*mesh.fsdp=2"):
+    sharding.spec_for(("embed",), (5,), mesh)
+  with pytest.raises(ValueError, match="unknown logical axis 'embd'"):
+    sharding.spec_for(("embd",), (64,), mesh)
+  with pytest.raises(ValueError, match=r"rollout.prompts_per_iter = 6 is not divisible .* = 4"):
+    sharding.check_rows("rollout.prompts_per_iter", 6, mesh)
+  with pytest.raises(ValueError, match="model.num_kv_heads"):
+    sharding.init_sharded(Transformer, config.tiny(num_kv_heads=1), mesh)
 
 
 @pytest.mark.parametrize("mesh_name", list(MESHES))

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gspo_jax import configlib
+from gspo_jax import configlib, sharding
 from gspo_jax import train as T
 from gspo_jax.models.config import tiny
 
@@ -22,7 +22,8 @@ def tiny_cfg(**kw) -> T.TrainConfig:
       rollout=T.RolloutConfig(prompts_per_iter=4, group_size=4, max_new_tokens=4, max_prompt_len=8),
       sft=T.SFTConfig(steps=30, batch_size=32, learning_rate=3e-3),
       optim=T.OptimConfig(learning_rate=1e-3),
-      iterations=2, eval_every=0, eval_size=16, num_minibatches=2)
+      iterations=2, eval_every=0, eval_size=16, num_minibatches=2,
+      mesh=sharding.MeshConfig(num_devices=1))
   return T.TrainConfig(**{**base, **kw})
 
 
@@ -39,22 +40,23 @@ def leaves(tree):
                                       ("grpo", (0.2, 0.27))])
 def test_one_iteration_of_each_loss(run, loss, eps):
   cfg = tiny_cfg(loss=loss, eps_low=eps[0], eps_high=eps[1])
+  run = run.reconfigure(cfg)
   state = run.state
   before = leaves(state.params)
-  batch, stats = T.rollout_step(state, run.graphdef, run.task, run.tok, cfg)
+  batch, stats = T.rollout_step(run, state)
   # An untrained model earns reward 0 everywhere (advantages 0, no gradient): give the
   # rows advantages so the update has something to do.
   batch = batch.replace(adv_R=jnp.asarray(np.random.default_rng(0).normal(size=batch.adv_R.shape),
                                           jnp.float32))
   state = jax.tree.map(jnp.copy, state)  # the update donates its input
-  new, m = T._update_jit(state, batch, run.graphdef, run.tx, cfg)
+  new, m = run.programs.update(state, batch)
   assert int(new.step) == 1
   assert all(np.isfinite(float(v)) for v in m.values()) and all(np.isfinite(v) for v in stats.values())
   assert any(np.any(a != b) for a, b in zip(before, leaves(new.params)))
   assert float(m["skipped_updates"]) == 0
   # Old log-probs recomputed by the trainer equal the sampler's (same policy, same tokens).
-  sampler_cfg = dataclasses.replace(cfg, old_logp="sampler")
-  batch2, _ = T.rollout_step(run.state, run.graphdef, run.task, run.tok, sampler_cfg)
+  sampler_run = run.reconfigure(dataclasses.replace(cfg, old_logp="sampler"))
+  batch2, _ = T.rollout_step(sampler_run, run.state)
   np.testing.assert_array_equal(batch2.tokens_RxT, batch.tokens_RxT)
   np.testing.assert_allclose(batch2.old_logp_RxT, batch.old_logp_RxT, rtol=1e-5, atol=1e-5)
 
@@ -63,11 +65,11 @@ def test_on_policy_single_minibatch_losses_give_the_same_update(run):
   # One minibatch, old = current policy: GSPO, GSPO-token and GRPO share loss and gradient.
   results = []
   for loss in ("gspo", "gspo_token", "grpo"):
-    cfg = tiny_cfg(loss=loss, num_minibatches=1)
-    batch, _ = T.rollout_step(run.state, run.graphdef, run.task, run.tok, cfg)
+    r = run.reconfigure(tiny_cfg(loss=loss, num_minibatches=1))
+    batch, _ = T.rollout_step(r, r.state)
     batch = batch.replace(adv_R=jnp.asarray(
         np.random.default_rng(1).normal(size=batch.adv_R.shape), jnp.float32))
-    new, m = T._update_jit(jax.tree.map(jnp.copy, run.state), batch, run.graphdef, run.tx, cfg)
+    new, m = r.programs.update(jax.tree.map(jnp.copy, r.state), batch)
     results.append((leaves(new.params), float(m["loss"])))
   for params, loss in results[1:]:
     assert abs(loss - results[0][1]) < 1e-6
@@ -76,10 +78,9 @@ def test_on_policy_single_minibatch_losses_give_the_same_update(run):
 
 
 def test_non_finite_gradient_skips_the_update(run):
-  cfg = tiny_cfg()
-  batch, _ = T.rollout_step(run.state, run.graphdef, run.task, run.tok, cfg)
+  batch, _ = T.rollout_step(run, run.state)
   bad = batch.replace(adv_R=batch.adv_R.at[0].set(jnp.nan))
-  new, m = T._update_jit(jax.tree.map(jnp.copy, run.state), bad, run.graphdef, run.tx, cfg)
+  new, m = run.programs.update(jax.tree.map(jnp.copy, run.state), bad)
   # The minibatch holding row 0 is skipped (params of that step unchanged); others apply.
   assert float(m["skipped_updates"]) >= 1
   assert all(np.all(np.isfinite(x)) for x in leaves(new.params))
@@ -184,7 +185,7 @@ def test_cold_start_stops_at_the_target_accuracy(run, monkeypatch):
   cfg = tiny_cfg(sft=T.SFTConfig(steps=10, batch_size=8, target_accuracy=0.4, check_every=2))
   monkeypatch.setattr(coldstart, "_probe_accuracy", lambda *a: 0.3 if len(lines) < 2 else 0.5)
   params = coldstart.cold_start(run.state.params, run.graphdef, run.task, run.tok, cfg,
-                                log=lines.append)
+                                mesh=run.layout.mesh, log=lines.append)
   # Checks at steps 2 (0.3), 4 (0.3), 6 (0.5 >= 0.4: stop); never 8 or 10.
   assert [l.split(":")[0] for l in lines[:3]] == ["cold start step    2/10",
                                                   "cold start step    4/10",
@@ -212,5 +213,5 @@ def test_cli_runs_and_rejects_unknown_fields(tmp_path, monkeypatch):
           "--no-progress", "--keep-checkpoints", "1", "--checkpoint-every", "1",
           "--set", "iterations=2", "--set", "sft.steps=2", "--set", "eval_size=8",
           "--set", "rollout.prompts_per_iter=4", "--set", "model.hidden=32",
-          "--set", "model.mlp_dim=64", "--set", "model.head_dim=8"])
+          "--set", "model.mlp_dim=64", "--set", "model.head_dim=8", "--set", "mesh.num_devices=1"])
   assert sorted(os.listdir(tmp_path / "r" / "checkpoints")) == ["2"]

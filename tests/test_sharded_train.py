@@ -1,0 +1,153 @@
+"""The sampler, the old-log-prob phase and one full train step on 8 simulated devices equal
+the single-device run (float32 tolerance), on three mesh shapes; every output array carries
+the sharding the rules table says; a model too large for one device's share initialises
+sharded."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from gspo_jax import sharding
+from gspo_jax import train as T
+from gspo_jax.models import config
+from gspo_jax.models.transformer import Transformer
+
+ROWS = ("data", "fsdp")
+MESHES = {"data8": sharding.MeshConfig(data=8), "fsdp8": sharding.MeshConfig(data=1, fsdp=8),
+          "2x2x2": sharding.MeshConfig(data=2, fsdp=2, tensor=2)}
+
+
+def small_cfg(mesh: sharding.MeshConfig) -> T.TrainConfig:
+  # Every sharded dimension divides by 8 (fsdp) or 2 (tensor); 8 prompts x 4 = 32 rows,
+  # 2 minibatches of 16 rows.
+  return T.TrainConfig(
+      model=config.tiny(vocab_size=24, hidden=32, mlp_dim=64, num_heads=2, num_kv_heads=2,
+                        head_dim=16),
+      rollout=T.RolloutConfig(prompts_per_iter=8, group_size=4, max_new_tokens=4,
+                              max_prompt_len=8),
+      sft=T.SFTConfig(steps=0), optim=T.OptimConfig(learning_rate=1e-3), num_minibatches=2,
+      kl_coef=0.05, mesh=mesh)
+
+
+def one_step(run):
+  """Rollout -> prepare (pi_old, pi_ref, advantages) -> update. Random advantages replace
+  the untrained policy's all-zero ones so the update has a gradient."""
+  batch, stats = T.rollout_step(run, run.state, ref_params=jax.tree.map(jnp.copy, run.state.params))
+  adv = np.random.default_rng(0).normal(size=batch.adv_R.shape).astype(np.float32)
+  rollout = sample(run)
+  state, metrics = run.programs.update(jax.tree.map(jnp.copy, run.state),
+                                       batch.replace(adv_R=jnp.asarray(adv)))
+  return rollout, batch, state, metrics, stats
+
+
+def sample(run):
+  prompts = np.asarray(jax.random.randint(jax.random.key(3), (8, 8), 3, 20), np.int32)
+  lens = np.arange(8, dtype=np.int32) % 7 + 1
+  model = nnx.merge(run.graphdef, run.state.params)
+  return T.sampling.sample_groups(model, prompts, lens, jax.random.key(4),
+                                  T.sampler_config(run.tok, run.cfg), mesh=run.layout.mesh)
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+  return str(tmp_path_factory.mktemp("sharded"))  # the tokenizer is trained once, then loaded
+
+
+@pytest.fixture(scope="module")
+def reference(run_dir):
+  run = T.setup(small_cfg(sharding.MeshConfig(num_devices=1)), run_dir)
+  return run, one_step(run)
+
+
+def host(x):
+  return np.asarray(jax.device_get(x))
+
+
+def assert_trees_close(got, want, rtol=1e-5, atol=1e-6):
+  got_leaves, want_leaves = jax.tree.leaves(got), jax.tree.leaves(want)
+  assert len(got_leaves) == len(want_leaves)
+  for a, b in zip(got_leaves, want_leaves):
+    np.testing.assert_allclose(host(a), host(b), rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+def test_train_step_and_sampler_equal_single_device(reference, run_dir, mesh_name):
+  ref_run, (ref_rollout, ref_batch, ref_state, ref_metrics, ref_stats) = reference
+  run = T.setup(small_cfg(MESHES[mesh_name]), run_dir)
+  mesh = run.layout.mesh
+  assert mesh.devices.size == 8
+  rollout, batch, state, metrics, stats = one_step(run)
+
+  # Same parameters to start with (sharded initialisation is the same function).
+  assert_trees_close(run.state.params, ref_run.state.params, rtol=0, atol=0)
+  # Sampler: identical tokens (same keys, threefry is partitionable), log-probs within f32.
+  np.testing.assert_array_equal(host(rollout.tokens_BxGxT), host(ref_rollout.tokens_BxGxT))
+  np.testing.assert_array_equal(host(rollout.mask_BxGxT), host(ref_rollout.mask_BxGxT))
+  np.testing.assert_allclose(host(rollout.logp_BxGxT), host(ref_rollout.logp_BxGxT), atol=2e-5)
+  # The rollout phase of training (its own prompts) and the prepared batch.
+  np.testing.assert_array_equal(host(batch.tokens_RxT), host(ref_batch.tokens_RxT))
+  for name in ("old_logp_RxT", "ref_logp_RxT", "adv_R", "mask_RxT"):
+    np.testing.assert_allclose(host(getattr(batch, name)), host(getattr(ref_batch, name)),
+                               atol=2e-5, err_msg=name)
+  assert stats["reward_mean"] == ref_stats["reward_mean"]
+  # One full update: loss, metrics, parameters and the whole optimiser state (Adam's first
+  # moment after one step is (1 - b1) * gradient: the gradients agree too).
+  for k in ("loss", "grad_norm", "kl", "clip_frac_token"):
+    assert float(metrics[k]) == pytest.approx(float(ref_metrics[k]), rel=1e-5, abs=1e-6), k
+  # Adam divides by sqrt(v): where a gradient is tiny, float32 rounding of the sharded
+  # reductions moves the step by a fraction of the learning rate (1e-3): atol 1% of it.
+  assert_trees_close(state.params, ref_state.params, atol=1e-5)
+  assert_trees_close(state.opt_state, ref_state.opt_state)
+  assert int(state.step) == int(ref_state.step) == 1
+
+  # The arrays really are sharded as the rules say.
+  is_var = lambda x: isinstance(x, nnx.Variable)
+  for var in jax.tree.leaves(state.params, is_leaf=is_var):
+    want = sharding.spec_for(var.get_metadata()["logical_axes"], var[...].shape, mesh)
+    assert var[...].sharding.spec == want and var[...].sharding.mesh == mesh
+  mu = state.opt_state[1].inner_state[0].mu
+  for var, m in zip(jax.tree.leaves(state.params, is_leaf=is_var), jax.tree.leaves(mu, is_leaf=is_var)):
+    assert m[...].sharding.spec == var[...].sharding.spec
+  for x in (rollout.tokens_BxGxT, rollout.logp_BxGxT, batch.tokens_RxT, batch.old_logp_RxT):
+    assert x.sharding.spec == P(ROWS, *([None] * (x.ndim - 1)))
+  assert batch.adv_R.sharding.spec == P(ROWS)
+  assert all(m.sharding.is_fully_replicated for m in metrics.values())
+  if mesh_name == "fsdp8":  # the residual width really is split 8 ways on every device
+    q = state.params["layers"][0]["attn"]["q"][...]
+    assert q.sharding.spec == P("fsdp", None, None)
+    assert {s.data.shape for s in q.addressable_shards} == {(4, 2, 16)}
+
+
+def test_indivisible_batch_is_a_clear_error(run_dir):
+  cfg = dataclasses.replace(small_cfg(MESHES["data8"]),
+                            rollout=T.RolloutConfig(prompts_per_iter=4, group_size=4))
+  with pytest.raises(ValueError, match=r"rollout.prompts_per_iter = 4 is not divisible"):
+    T.setup(cfg, run_dir)
+  cfg = dataclasses.replace(small_cfg(MESHES["data8"]), num_minibatches=8)
+  with pytest.raises(ValueError, match=r"rows per minibatch .* = 4 is not divisible"):
+    T.setup(cfg, run_dir)
+  cfg = dataclasses.replace(small_cfg(MESHES["2x2x2"]), model=config.tiny(num_kv_heads=1))
+  with pytest.raises(ValueError, match="model.num_kv_heads = 1"):
+    T.setup(cfg, run_dir)
+
+
+def test_model_too_large_for_one_device_initialises_sharded():
+  # ~0.51 B parameters = 2.0 GB in float32. Compiled (not run) for an fsdp=8 mesh: each
+  # device's output is one eighth of the model, and its peak (output + the initialiser's
+  # random-bit temporaries, themselves sharded: measured 255 + 385 MB) stays far below one
+  # full copy: no device ever holds the whole parameter set.
+  cfg = config.ModelConfig(vocab_size=32000, hidden=2048, num_layers=8, num_heads=16,
+                           num_kv_heads=8, head_dim=128, mlp_dim=5632)
+  mesh = sharding.make_mesh(MESHES["fsdp8"])
+  _, program = sharding.init_program(Transformer, cfg, mesh)
+  total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(
+      jax.eval_shape(lambda: nnx.state(Transformer(cfg, rngs=nnx.Rngs(0))))))
+  assert total > 2e9
+  memory = program.lower().compile().memory_analysis()
+  assert memory.output_size_in_bytes == pytest.approx(total / 8, rel=1e-3)
+  assert memory.output_size_in_bytes + memory.temp_size_in_bytes < total / 2
