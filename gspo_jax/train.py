@@ -3,12 +3,14 @@
 Legend: B prompts per iteration, G responses per prompt, P prompt tokens, T response
 tokens, M = B*G / num_minibatches responses per minibatch.
 
-Phases and their compile boundaries:
+Phases and their compile boundaries (each one `jax.jit` with shardings declared, see
+`make_programs`; the mesh is `cfg.mesh`, one CPU by default, any TPU slice or pod):
   rollout: `sampling.sample_groups` (one jit: prefill + decode loop)
-  scoring: host Python (decode text, user reward functions), then group advantages
-  old log-probs: `_score_jit` (teacher-forced pi_old and optional pi_ref), or the sampler's
-  update: `_update_jit` (one jit, state donated): a `lax.scan` over the minibatches, one
-          optax step each; a non-finite gradient skips that step (counted).
+  scoring: host Python on this process's rows (decode text, user reward functions)
+  prepare: `Programs.prepare`: group advantages, teacher-forced pi_old (or the sampler's)
+           and optional pi_ref
+  update:  `Programs.update` (state donated): a `lax.scan` over the minibatches, one optax
+           step each; a non-finite gradient skips that step (counted).
 
     python -m gspo_jax.train --config configs/addition_tiny.py [--set loss=grpo ...]
 """

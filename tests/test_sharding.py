@@ -97,3 +97,29 @@ def test_sharded_init_and_forward_equal_single_device(mesh_name, cfg):
   fwd = nnx.jit(lambda m, t, p: m(t, p).hidden_BxSxD)
   out = fwd(model, jax.device_put(tokens, rows), jax.device_put(pos, rows))
   np.testing.assert_allclose(out, fwd(ref, tokens, pos), rtol=1e-5, atol=1e-5)
+
+
+def fake_mesh(data, fsdp, tensor):
+  """A mesh of the given shape without devices (a pod slice's layout, checked on a laptop)."""
+  return jax.sharding.AbstractMesh((data, fsdp, tensor), sharding.MESH_AXES)
+
+
+def test_rules_on_fake_pod_meshes_need_no_devices():
+  # The README's v5p suggestion for Qwen3-30B-A3B (data=2, fsdp=16, tensor=2 = 64 chips).
+  mesh = fake_mesh(2, 16, 2)
+  assert sharding.spec_for(("vocab", "embed"), (151936, 2048), mesh) == P("tensor", "fsdp")
+  assert sharding.spec_for(("expert", "embed", "mlp"), (128, 2048, 768), mesh) == P(None, "fsdp", "tensor")
+  assert sharding.spec_for(("embed", "expert"), (2048, 128), mesh) == P("fsdp", None)
+  assert sharding.spec_for(("heads", "head_dim", "embed"), (32, 128, 2048), mesh) == P("tensor", None, "fsdp")
+  abstract = nnx.state(nnx.eval_shape(lambda: Transformer(config.qwen3_30b_a3b(num_layers=2),
+                                                          rngs=nnx.Rngs(0))))
+  shardings = sharding.param_shardings(abstract, mesh)
+  specs = {jax.tree_util.keystr(path): s.spec for path, s in jax.tree_util.tree_leaves_with_path(shardings)}
+  assert specs["['layers'][0]['attn']['k'].value"] == P("fsdp", "tensor", None)
+  # 4 KV heads cannot split 8 ways: the error names the field and the mesh axis.
+  with pytest.raises(ValueError, match=r"model.num_kv_heads = 4 is not divisible by mesh axis mesh.tensor=8"):
+    sharding.param_shardings(abstract, fake_mesh(1, 8, 8))
+  # Batch rows on the fake mesh: data x fsdp = 32 ways.
+  sharding.check_rows("rollout.prompts_per_iter", 64, mesh)
+  with pytest.raises(ValueError, match="= 48 is not divisible by the batch mesh axes mesh.data \\* mesh.fsdp = 32"):
+    sharding.check_rows("rollout.prompts_per_iter", 48, mesh)
