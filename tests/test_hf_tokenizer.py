@@ -1,0 +1,98 @@
+"""tokenizer.json tokenizers (built here with the `tokenizers` package: no downloads) and
+the generate command on an exported model directory."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+import tokenizers
+from tokenizers import models, pre_tokenizers, decoders, trainers
+
+from gspo_jax import generate, sampling
+from gspo_jax.hf_tokenizer import HFTokenizer, load_tokenizer
+from gspo_jax.models import config, hf, transformer
+from gspo_jax.tokenizer import SentencePieceTokenizer
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TEXTS = ["The capital of France is Paris.", "2 + 2 = 4", "hello world, hello again"] * 20
+
+
+def byte_level_bpe(vocab_size=300) -> tokenizers.Tokenizer:
+  tok = tokenizers.Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  tok.train_from_iterator(TEXTS, trainers.BpeTrainer(
+      vocab_size=vocab_size, special_tokens=SPECIALS,
+      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+  return tok
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+  """An exported tiny Qwen3 with a ChatML-style tokenizer (like Qwen3: no BOS token)."""
+  d = tmp_path_factory.mktemp("model")
+  tok = byte_level_bpe()
+  tok.save(str(d / "tokenizer.json"))
+  (d / "tokenizer_config.json").write_text(json.dumps(
+      {"eos_token": "<|im_end|>", "pad_token": {"content": "<|endoftext|>"}, "bos_token": None,
+       "chat_template": "{% for m in messages %}<|im_start|>{{ m.content }}<|im_end|>{% endfor %}"}))
+  vocab = tok.get_vocab_size()
+  hf.save(transformer.create(config.tiny(vocab_size=vocab + 8), seed=2), str(d))  # padded vocab
+  return d
+
+
+def test_round_trip_and_special_ids(model_dir):
+  tok = HFTokenizer.load(model_dir)
+  for text in ["The capital of France is Paris.", "hello  world\n", "ünïcode ✓"]:
+    assert tok.decode(tok.encode(text)) == text  # byte-level BPE: any text round-trips
+  assert tok.eos_id == tok._tok.token_to_id("<|im_end|>")
+  assert tok.pad_id == tok._tok.token_to_id("<|endoftext|>") and tok.bos_id is None
+  assert tok.eos_id not in tok.encode("hello world") and tok.vocab_size == 300
+  assert tok.chat_template.startswith("{% for m in messages %}")
+  again = HFTokenizer.load(os.path.dirname(tok.save(model_dir / "copy")))
+  assert (again.eos_id, again.pad_id, again.bos_id, again.chat_template) == \
+      (tok.eos_id, tok.pad_id, tok.bos_id, tok.chat_template)
+  assert again.encode("hello world") == tok.encode("hello world")
+
+
+def test_load_tokenizer_picks_the_format(model_dir, tmp_path):
+  assert isinstance(load_tokenizer(model_dir), HFTokenizer)
+  SentencePieceTokenizer.train(["12+34=46"] * 50, vocab_size=20).save(tmp_path)
+  assert isinstance(load_tokenizer(tmp_path), SentencePieceTokenizer)
+  with pytest.raises(ValueError, match="no tokenizer.json or tokenizer.model"):
+    load_tokenizer(tmp_path / "nothing")
+
+
+def test_bad_tokenizer_directories(tmp_path):
+  byte_level_bpe().save(str(tmp_path / "tokenizer.json"))
+  with pytest.raises(ValueError, match="no eos_token"):
+    HFTokenizer.load(tmp_path)
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|nope|>"}))
+  with pytest.raises(ValueError, match="eos_token '<\\|nope\\|>' is not in the vocabulary"):
+    HFTokenizer.load(tmp_path)
+  (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
+  (tmp_path / "tokenizer_config.json").write_text("{}")
+  assert HFTokenizer.load(tmp_path).eos_id == 2  # the first of several eos ids
+  (tmp_path / "tokenizer.json").write_text("{broken")
+  with pytest.raises(ValueError, match="cannot be read as a tokenizer"):
+    HFTokenizer.load(tmp_path)
+
+
+def test_generate_command_matches_the_sampler(model_dir, capsys):
+  generate.main(["--model", str(model_dir), "--prompt", "hello", "--prompt", "2 + 2 =",
+                 "--max-new-tokens", "6"])
+  lines = capsys.readouterr().out.splitlines()
+  assert len(lines) == 2 and lines[0].startswith("hello") and lines[1].startswith("2 + 2 =")
+  model, tok = hf.load(str(model_dir)), load_tokenizer(model_dir)
+  ids, lens = generate.encode(tok, ["hello", "2 + 2 ="])
+  cfg = sampling.SamplerConfig(group_size=1, max_new_tokens=6, eos_id=tok.eos_id,
+                               pad_id=tok.pad_id, max_prompt_len=ids.shape[1], greedy=True,
+                               vocab_limit=tok.vocab_size)
+  r = sampling.sample_groups(model, ids, lens, jax.random.key(0), cfg)
+  tokens = np.asarray(r.tokens_BxGxT)[0, 0][np.asarray(r.mask_BxGxT)[0, 0] > 0]
+  assert lines[0] == "hello" + tok.decode([t for t in tokens if t != tok.eos_id])
+  assert tokens.max() < tok.vocab_size  # ids of the padded vocabulary are never sampled
+  with pytest.raises(ValueError, match="encodes to no tokens"):
+    generate.encode(tok, [""])
