@@ -3,8 +3,8 @@
 
 Special tokens come from `tokenizer_config.json` (`eos_token`, `pad_token`, `bos_token`,
 each a string or {"content": ...}), falling back to the ids in `generation_config.json` /
-`config.json`. A missing pad token means pad = eos (as most chat models do); a missing bos
-token (Qwen3 has none) means `bos_id is None` and prompts start without one.
+`config.json`. A missing pad token means pad = eos (as most chat models do). `bos_id` is
+the token prompts start with: set only when `add_bos_token` is true, else None.
 """
 
 from __future__ import annotations
@@ -74,9 +74,11 @@ class HFTokenizer(Tokenizer):
     if eos is None:
       raise ValueError(f"{directory}: no eos_token in {TOKENIZER_CONFIG} and no eos_token_id in "
                        "generation_config.json / config.json")
-    return cls(tok, eos=eos, pad=_content(cfg.get("pad_token")),
-               bos=_content(cfg.get("bos_token")), chat_template=cfg.get("chat_template"),
-               source=directory)
+    # BOS is prepended only where the tokenizer says so (Llama 2: yes; SmolLM2 names a
+    # bos_token but does not add it; Qwen3 has none).
+    bos = _content(cfg.get("bos_token")) if cfg.get("add_bos_token", False) else None
+    return cls(tok, eos=eos, pad=_content(cfg.get("pad_token")), bos=bos,
+               chat_template=cfg.get("chat_template"), source=directory)
 
   def save(self, directory: str | os.PathLike) -> str:
     os.makedirs(directory, exist_ok=True)
@@ -84,7 +86,8 @@ class HFTokenizer(Tokenizer):
     self._tok.save(path)
     token = lambda i: None if i is None else self._tok.id_to_token(i)
     cfg = {"eos_token": token(self._eos), "pad_token": token(self._pad),
-           "bos_token": token(self._bos), "tokenizer_class": "PreTrainedTokenizerFast"}
+           "bos_token": token(self._bos), "add_bos_token": self._bos is not None,
+           "tokenizer_class": "PreTrainedTokenizerFast"}
     if self.chat_template:
       cfg["chat_template"] = self.chat_template
     with open(os.path.join(directory, TOKENIZER_CONFIG), "w") as f:

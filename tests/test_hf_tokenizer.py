@@ -75,6 +75,9 @@ def test_bad_tokenizer_directories(tmp_path):
   (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
   (tmp_path / "tokenizer_config.json").write_text("{}")
   assert HFTokenizer.load(tmp_path).eos_id == 2  # the first of several eos ids
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+      {"eos_token": "<|im_end|>", "bos_token": "<|im_start|>", "add_bos_token": True}))
+  assert HFTokenizer.load(tmp_path).bos_id == 1  # prompts start with BOS only when asked
   (tmp_path / "tokenizer.json").write_text("{broken")
   with pytest.raises(ValueError, match="cannot be read as a tokenizer"):
     HFTokenizer.load(tmp_path)
