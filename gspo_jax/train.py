@@ -107,6 +107,10 @@ class TrainConfig:
   eval_size: int = 256
   seed: int = 0
   mesh: sharding.MeshConfig = sharding.MeshConfig()   # default: every device on `data`
+  # A Hugging Face model directory (config.json, safetensors, tokenizer) to start from
+  # instead of a fresh `model` with a task tokenizer; `model` is then taken from it.
+  pretrained: str = ""
+  pretrained_dtype: str = ""        # parameter dtype of the loaded model ("" = as stored)
 
   def __post_init__(self):
     _checks.check_choice("TrainConfig", "loss", self.loss, tuple(losses.LOSSES))
@@ -310,11 +314,12 @@ def check_layout(cfg: TrainConfig, mesh: Mesh) -> None:
 
 
 def encode_prompts(tok, examples, max_len: int):
-  """[bos] + prompt ids, right-padded to max_len: (ids_BxP int32, lens_B int32)."""
+  """[bos] + prompt ids (no bos when the tokenizer has none), right-padded to max_len:
+  (ids_BxP int32, lens_B int32)."""
   ids = np.full((len(examples), max_len), tok.pad_id, np.int32)
   lens = np.zeros(len(examples), np.int32)
   for i, ex in enumerate(examples):
-    row = [tok.bos_id] + tok.encode(ex.prompt)
+    row = ([] if tok.bos_id is None else [tok.bos_id]) + tok.encode(ex.prompt)
     if len(row) > max_len:
       raise ValueError(f"prompt {ex.prompt!r} needs {len(row)} tokens > rollout.max_prompt_len="
                        f"{max_len}")
@@ -463,12 +468,19 @@ def setup(cfg: TrainConfig, run_dir: str) -> Run:
   check_layout(cfg, mesh)
   checkpoint.check_writable(run_dir)
   task = make_task(cfg.task, digits=cfg.task_digits)
-  tok = make_tokenizer(task, cfg, run_dir)
+  if cfg.pretrained:
+    from gspo_jax.hf_tokenizer import load_tokenizer
+    from gspo_jax.models import hf
+    tok = load_tokenizer(cfg.pretrained)
+    model = hf.load(cfg.pretrained, mesh=mesh, param_dtype=cfg.pretrained_dtype or None)
+    cfg = dataclasses.replace(cfg, model=model.cfg)
+  else:
+    tok = make_tokenizer(task, cfg, run_dir)
+    model = sharding.init_sharded(Transformer, cfg.model, mesh, cfg.seed)
   if tok.vocab_size > cfg.model.vocab_size:
     raise ValueError(f"tokenizer has {tok.vocab_size} ids > model.vocab_size={cfg.model.vocab_size}")
   tx = make_optimizer(cfg.optim)
-  graphdef, params = nnx.split(sharding.init_sharded(Transformer, cfg.model, mesh, cfg.seed),
-                               nnx.Param)
+  graphdef, params = nnx.split(model, nnx.Param)
   layout = make_layout(params, tx, mesh, bool(cfg.kl_coef))
   programs = make_programs(graphdef, tx, cfg, layout)
   return Run(cfg, task, tok, graphdef, programs.init(params), tx, layout, programs)
@@ -522,6 +534,7 @@ def train(cfg: TrainConfig, run_dir: str, *, resume: bool = False, checkpoint_ev
   run = setup(cfg, run_dir)
   mesh = run.layout.mesh
   checkpoint.check_free_space(run_dir, run.state, keep)
+  cfg = run.cfg  # with `model` filled in from a pretrained directory
   if jax.process_index() == 0:
     configlib.save_json(cfg, os.path.join(run_dir, "config.json"))
   ckpt = checkpoint.Checkpointer(os.path.join(run_dir, "checkpoints"), every=checkpoint_every,

@@ -99,3 +99,21 @@ def test_generate_command_matches_the_sampler(model_dir, capsys):
   assert tokens.max() < tok.vocab_size  # ids of the padded vocabulary are never sampled
   with pytest.raises(ValueError, match="encodes to no tokens"):
     generate.encode(tok, [""])
+
+
+def test_training_starts_from_a_pretrained_directory(model_dir, tmp_path):
+  from gspo_jax import sharding
+  from gspo_jax import train as T
+  cfg = T.TrainConfig(
+      pretrained=str(model_dir), model=config.tiny(vocab_size=32),  # replaced by the checkpoint's
+      rollout=T.RolloutConfig(prompts_per_iter=2, group_size=2, max_new_tokens=4,
+                              max_prompt_len=8),
+      sft=T.SFTConfig(steps=2, batch_size=4), iterations=1, eval_every=0, eval_size=4,
+      num_minibatches=1, mesh=sharding.MeshConfig(num_devices=1))
+  T.train(cfg, str(tmp_path / "run"), progress=False)
+  saved = T.configlib.load_json(T.TrainConfig, str(tmp_path / "run" / "config.json"))
+  assert saved.model == hf.load(str(model_dir)).cfg and saved.pretrained == str(model_dir)
+  assert (tmp_path / "run" / "metrics.jsonl").read_text().count("\n") == 1
+  assert not (tmp_path / "run" / "tokenizer.model").exists()  # the model's own tokenizer
+  run = T.load_run(str(tmp_path / "run"))
+  assert isinstance(run.tok, HFTokenizer) and int(run.state.step) == 1
