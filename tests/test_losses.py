@@ -1,5 +1,14 @@
 """gspo_jax.losses: hand-derived numbers, the identities of GSPO_SPEC section 11, padding,
-edge cases and bad input. Every numeric test runs in float32 and float64 (`dtype`)."""
+edge cases and bad input. Every numeric test runs in float32 and float64 (`dtype`).
+
+Most tests take a loss, its metrics and its gradient from `evaluate`: one jitted program
+per (static arguments, shapes, dtype) that computes every loss accepting those arguments,
+so the cases of a test parametrized over the losses share one cold compile (run eagerly,
+every small op and its autodiff compiles on its own, which made up most of this file's
+runtime). Tests of eager behaviour (jit == eager, value checks on concrete input) and of
+NaN/inf robustness (padding junk, empty rows, overflow) call the losses eagerly, op by
+op: XLA's simplifications inside one program can hide a NaN that eager execution shows.
+"""
 
 import functools
 import math
@@ -39,8 +48,41 @@ def random_batch(seed, dtype, B=6, T=7, scale=0.05, prefix=True, empty_rows=()):
   return arr(logp, dtype), arr(old, dtype), arr(adv, dtype), jnp.asarray(mask)
 
 
-def loss_only(name, **kw):
-  return lambda logp, old, adv, mask: LOSSES[name](logp, old, adv, mask, **kw)[0]
+@functools.partial(jax.jit, static_argnames=("names", "static"))
+def _evaluate(logp, old, adv, mask, ref, numbers, *, names, static):
+  kw = {**dict(static), **numbers}
+  if ref is not None:
+    kw["ref_logp_BxT"] = ref
+  out = {}
+  for name in names:
+    f = lambda lp: LOSSES[name](lp, old, adv, mask, **kw)
+    (loss, metrics), g = jax.value_and_grad(f, has_aux=True)(logp)
+    out[name] = loss, metrics, g
+  return out
+
+
+# Passed traced, so that tests differing only in these share one compiled program. kl_coef
+# without a reference must stay a Python 0 (the loss checks it).
+_TRACED = ("eps_low", "eps_high", "token_sum_norm")
+
+
+def evaluate(name, logp, old, adv, mask, ref_logp_BxT=None, **kw):
+  """(loss, metrics, dloss/dlogp) of LOSSES[name](logp, old, adv, mask, **kw), one program."""
+  traced = _TRACED + (("kl_coef",) if ref_logp_BxT is not None else ())
+  numbers = {k: v for k, v in kw.items() if k in traced}
+  static = tuple(sorted((k, v) for k, v in kw.items() if k not in traced))
+  # Every loss that takes these arguments, in one program: a test parametrized over the
+  # losses compiles it once and its other cases hit the cache.
+  if {"aggregation", "token_sum_norm"} & set(kw):
+    names = ("grpo",)
+  else:
+    names = ("gspo_token", "grpo") if np.ndim(adv) == 2 else tuple(LOSSES)
+  assert name in names, (name, names)
+  out = _evaluate(logp, old, adv, mask, ref_logp_BxT, numbers, names=names, static=static)
+  return out[name]
+
+
+seq_log_ratio = jax.jit(L.sequence_log_ratio)
 
 
 # ---------------------------------------------------------------- hand-derived values
@@ -72,12 +114,10 @@ def test_gspo_hand_values(dtype, tol):
   # row2: s = e^-0.3 = 0.741 < 0.8 and A < 0        -> clipped low, 0.8 * -2 = -1.6
   # row3: s = e^0.5 = 1.649 > 1.2 and A > 0         -> clipped high, 1.2 * 0.5 = 0.6
   expected = -(math.exp(0.1) - math.exp(0.3) - 1.6 + 0.6) / 4
-  loss, m = L.gspo_loss(logp, old, adv, mask, **EPS)
+  loss, m, g = evaluate("gspo", logp, old, adv, mask, **EPS)
   np.testing.assert_allclose(loss, expected, **tol)
-  np.testing.assert_allclose(L.sequence_log_ratio(logp, old, mask), [0.1, 0.3, -0.3, 0.5, 0.0],
-                             **tol)
+  np.testing.assert_allclose(seq_log_ratio(logp, old, mask), [0.1, 0.3, -0.3, 0.5, 0.0], **tol)
   # Gradient: -m a_i s_i A_i / (N n_i); rows 2, 3 clipped (a = 0), row 4 empty.
-  g = jax.grad(loss_only("gspo", **EPS))(logp, old, adv, mask)
   expected_g = np.zeros((5, 3))
   expected_g[0, :] = -math.exp(0.1) * 1.0 / (4 * 3)
   expected_g[1, 0] = -math.exp(0.3) * -1.0 / (4 * 1)
@@ -104,13 +144,13 @@ def test_gspo_asymmetric_clip_range(name, dtype, tol):
   # row2: s = e^-0.3 = 0.741 >= 0.7 -> no longer clipped: s A = -2 e^-0.3
   # row3: s = e^0.5 = 1.649 <= 1.7  -> no longer clipped: s A = 0.5 e^0.5
   logp, old, adv, mask = hand_batch(dtype)
-  loss, m = LOSSES[name](logp, old, adv, mask, eps_low=0.3, eps_high=0.7)
+  loss, m, _ = evaluate(name, logp, old, adv, mask, eps_low=0.3, eps_high=0.7)
   expected = -(math.exp(0.1) - math.exp(0.3) - 2 * math.exp(-0.3) + 0.5 * math.exp(0.5)) / 4
   np.testing.assert_allclose(loss, expected, **tol)
   assert float(m["clip_frac_seq"]) == 0.0
   # eps_low = 0.25 (bound 0.75) clips row 2 again, eps_high = 0.6 (bound 1.6) clips row 3;
   # the bounds themselves are the clipped values: 0.75 * -2 and 1.6 * 0.5.
-  loss, m = LOSSES[name](logp, old, adv, mask, eps_low=0.25, eps_high=0.6)
+  loss, m, _ = evaluate(name, logp, old, adv, mask, eps_low=0.25, eps_high=0.6)
   np.testing.assert_allclose(loss, -(math.exp(0.1) - math.exp(0.3) - 1.5 + 0.8) / 4, **tol)
   np.testing.assert_allclose([m["clip_frac_seq_low"], m["clip_frac_seq_high"]], [0.25, 0.25], **tol)
 
@@ -133,21 +173,21 @@ def test_grpo_hand_values_each_aggregation(dtype, tol):
       "token-mean": -total / 9,
   }
   for mode, value in expected.items():
-    loss, _ = L.grpo_loss(logp, old, adv, mask, aggregation=mode, **EPS)
+    loss, _, _ = evaluate("grpo", logp, old, adv, mask, aggregation=mode, **EPS)
     np.testing.assert_allclose(loss, value, **tol)
-  loss, m = L.grpo_loss(logp, old, adv, mask, aggregation="seq-mean-token-sum-norm",
+  loss, m, _ = evaluate("grpo", logp, old, adv, mask, aggregation="seq-mean-token-sum-norm",
                         token_sum_norm=5.0, **EPS)
   np.testing.assert_allclose(loss, -total / (4 * 5.0), **tol)
   # Default normaliser is T = 3.
-  loss, _ = L.grpo_loss(logp, old, adv, mask, aggregation="seq-mean-token-sum-norm", **EPS)
+  loss, _, _ = evaluate("grpo", logp, old, adv, mask, aggregation="seq-mean-token-sum-norm", **EPS)
   np.testing.assert_allclose(loss, -total / (4 * 3.0), **tol)
   # Clipped tokens: row0 t2 (high), row2 both (low), row3 all three (high): 6 of 9.
   np.testing.assert_allclose([m["clip_frac_token_low"], m["clip_frac_token_high"]], [2 / 9, 4 / 9],
                              **tol)
   # Rows with any clipped token: 0, 2, 3.
   np.testing.assert_allclose(m["clip_frac_seq"], 3 / 4, **tol)
-  # Gradient, seq-mean-token-mean: -m a_it w_it A_i / (N n_i).
-  g = jax.grad(loss_only("grpo", **EPS))(logp, old, adv, mask)
+  # Gradient, seq-mean-token-mean (the default): -m a_it w_it A_i / (N n_i).
+  _, _, g = evaluate("grpo", logp, old, adv, mask, **EPS)
   expected_g = np.zeros((5, 3))
   expected_g[0, :2] = [-math.exp(0.1) / 12, -math.exp(-0.2) / 12]
   expected_g[1, 0] = math.exp(0.3) / 4
@@ -165,10 +205,9 @@ def test_gspo_token_hand_values_with_token_advantages(dtype, tol):
   # row3 s = e^0.5 > 1.2: t0, t2 A=+.5 clipped -> 0.6; t1 A=-.5 kept -> -0.5 e^0.5; mean over 3
   s0, s1, s2, s3 = (math.exp(x) for x in (0.1, 0.3, -0.3, 0.5))
   rows = [s0 * 2 / 3, -s1, (-1.6 + s2) / 2, (0.6 - 0.5 * s3 + 0.6) / 3]
-  loss, m = L.gspo_token_loss(logp, old, adv_BxT, mask, **EPS)
+  loss, m, g = evaluate("gspo_token", logp, old, adv_BxT, mask, **EPS)
   np.testing.assert_allclose(loss, -sum(rows) / 4, **tol)
   # Gradient: -m a_it s_i A_it / (N n_i).
-  g = jax.grad(loss_only("gspo_token", **EPS))(logp, old, adv_BxT, mask)
   expected_g = np.zeros((5, 3))
   expected_g[0] = [-s0 * a / 12 for a in (1.0, -1.0, 2.0)]
   expected_g[1, 0] = s1 / 4
@@ -187,7 +226,7 @@ def test_on_policy_ratio_is_one_and_gradient_closed_form(name, dtype, tol):
   # Identity 1: logp = old_logp -> every ratio is exactly 1, nothing clipped,
   # L = -(1/N) sum_i A_i, dL/dlogp_it = -m_it A_i / (N n_i), for all three losses.
   logp, _, adv, mask = random_batch(1, dtype, empty_rows=(2,))
-  loss, m = LOSSES[name](logp, logp, adv, mask)
+  loss, m, g = evaluate(name, logp, logp, adv, mask)
   n = np.asarray(mask).sum(1)
   valid = n > 0
   N = valid.sum()
@@ -195,8 +234,7 @@ def test_on_policy_ratio_is_one_and_gradient_closed_form(name, dtype, tol):
   assert float(m["ratio_min"]) == 1.0 and float(m["ratio_max"]) == 1.0
   assert float(m["clip_frac_token"]) == 0.0 and float(m["clip_frac_seq"]) == 0.0
   assert float(m["approx_kl"]) == 0.0
-  np.testing.assert_array_equal(L.sequence_log_ratio(logp, logp, mask), np.zeros(len(n)))
-  g = jax.grad(loss_only(name))(logp, logp, adv, mask)
+  np.testing.assert_array_equal(seq_log_ratio(logp, logp, mask), np.zeros(len(n)))
   expected = -np.asarray(mask) * (np.asarray(adv) / (N * np.maximum(n, 1)))[:, None]
   np.testing.assert_allclose(g, expected, **tol)
 
@@ -206,33 +244,29 @@ def test_gspo_token_equals_gspo_for_sequence_advantages(seed, dtype, tol):
   # Identity 2, at a clip range where some rows are clipped and some are not.
   logp, old, adv, mask = random_batch(seed, dtype, B=8, scale=0.1, empty_rows=(5,))
   eps = dict(eps_low=0.01, eps_high=0.015)
-  adv_BxT = jnp.broadcast_to(adv[:, None], mask.shape)
-  l_seq, m_seq = L.gspo_loss(logp, old, adv, mask, **eps)
-  l_tok, m_tok = L.gspo_token_loss(logp, old, adv_BxT, mask, **eps)
+  adv_BxT = jnp.asarray(np.broadcast_to(np.asarray(adv)[:, None], mask.shape))
+  l_seq, m_seq, g_seq = evaluate("gspo", logp, old, adv, mask, **eps)
+  l_tok, m_tok, g_tok = evaluate("gspo_token", logp, old, adv_BxT, mask, **eps)
   assert 0 < float(m_seq["clip_frac_seq"]) < 1, "batch should mix clipped and unclipped rows"
   np.testing.assert_allclose(l_tok, l_seq, **tol)
   for k in m_seq:
     np.testing.assert_allclose(m_tok[k], m_seq[k], err_msg=k, **tol)
-  g_seq = jax.grad(loss_only("gspo", **eps))(logp, old, adv, mask)
-  g_tok = jax.grad(loss_only("gspo_token", **eps))(logp, old, adv_BxT, mask)
   np.testing.assert_allclose(g_tok, g_seq, **tol)
   # A per-sequence adv_B passed to gspo_token_loss is broadcast: same result.
-  np.testing.assert_allclose(L.gspo_token_loss(logp, old, adv, mask, **eps)[0], l_seq, **tol)
+  np.testing.assert_allclose(evaluate("gspo_token", logp, old, adv, mask, **eps)[0], l_seq, **tol)
 
 
 def test_gspo_token_differs_from_gspo_for_token_advantages(dtype):
   logp, old, adv, mask = random_batch(3, dtype, scale=0.02)
   rng = np.random.default_rng(3)
   adv_BxT = arr(np.asarray(adv)[:, None] + rng.normal(0, 1, mask.shape), dtype)
-  adv_mean = jnp.sum(adv_BxT * mask, 1) / jnp.sum(mask, 1)
-  g_seq = jax.grad(loss_only("gspo", eps_low=10.0, eps_high=10.0))(logp, old, adv_mean, mask)
-  g_tok = jax.grad(loss_only("gspo_token", eps_low=10.0, eps_high=10.0))(logp, old, adv_BxT, mask)
+  m_ = np.asarray(mask)
+  adv_mean = arr(np.sum(np.asarray(adv_BxT) * m_, 1) / np.sum(m_, 1), dtype)
+  l_seq, _, g_seq = evaluate("gspo", logp, old, adv_mean, mask, eps_low=10.0, eps_high=10.0)
+  l_tok, _, g_tok = evaluate("gspo_token", logp, old, adv_BxT, mask, eps_low=10.0, eps_high=10.0)
   # Without clipping the two losses have the same value (sum_t A_it / n_i = mean A),
   # but GSPO-token gives each token its own advantage.
-  np.testing.assert_allclose(L.gspo_token_loss(logp, old, adv_BxT, mask, eps_low=10.0,
-                                               eps_high=10.0)[0],
-                             L.gspo_loss(logp, old, adv_mean, mask, eps_low=10.0,
-                                         eps_high=10.0)[0], rtol=1e-5)
+  np.testing.assert_allclose(l_tok, l_seq, rtol=1e-5)
   assert np.max(np.abs(np.asarray(g_tok) - np.asarray(g_seq))) > 1e-3
 
 
@@ -241,8 +275,8 @@ def test_gspo_gradient_closed_form_with_clipping(seed, dtype, tol):
   # Identity 3: dL/dlogp_it = -m_it a_i s_i A_i / (N n_i), a_i = 0 for clipped rows.
   logp, old, adv, mask = random_batch(seed + 10, dtype, B=10, scale=0.1, empty_rows=(0,))
   eps = dict(eps_low=0.02, eps_high=0.03)
-  g = jax.grad(loss_only("gspo", **eps))(logp, old, adv, mask)
-  log_s = np.asarray(L.sequence_log_ratio(logp, old, mask))
+  _, _, g = evaluate("gspo", logp, old, adv, mask, **eps)
+  log_s = np.asarray(seq_log_ratio(logp, old, mask))
   s, a_, m = np.exp(log_s), np.asarray(adv), np.asarray(mask)
   n = m.sum(1)
   N = (n > 0).sum()
@@ -291,13 +325,13 @@ def test_sequence_ratio_is_geometric_mean(dtype, tol):
   logp, _, _, mask = random_batch(5, dtype)
   c = np.linspace(-2.0, 2.0, logp.shape[0])
   old = logp - arr(c[:, None] * np.ones(logp.shape), dtype)
-  np.testing.assert_allclose(L.sequence_log_ratio(logp, old, mask), c, **tol)
+  np.testing.assert_allclose(seq_log_ratio(logp, old, mask), c, **tol)
   # ... and repeating a row's tokens k times leaves s unchanged.
   logp, old, _, _ = random_batch(6, dtype, B=3, T=4)
   full = jnp.ones((3, 4))
-  tiled = lambda x: jnp.tile(x, (1, 3))
-  np.testing.assert_allclose(L.sequence_log_ratio(tiled(logp), tiled(old), tiled(full)),
-                             L.sequence_log_ratio(logp, old, full), **tol)
+  tiled = lambda x: jnp.asarray(np.tile(np.asarray(x), (1, 3)))
+  np.testing.assert_allclose(seq_log_ratio(tiled(logp), tiled(old), tiled(full)),
+                             seq_log_ratio(logp, old, full), **tol)
 
 
 @pytest.mark.parametrize("name", list(LOSSES))
@@ -306,11 +340,9 @@ def test_permuting_rows_permutes_nothing_else(name, dtype, tol):
   logp, old, adv, mask = random_batch(7, dtype, B=8, scale=0.1)
   eps = dict(eps_low=0.05, eps_high=0.05)
   perm = np.random.default_rng(7).permutation(8)
-  (l1, m1), g1 = jax.value_and_grad(lambda lp: LOSSES[name](lp, old, adv, mask, **eps),
-                                    has_aux=True)(logp)
-  (l2, m2), g2 = jax.value_and_grad(
-      lambda lp: LOSSES[name](lp, old[perm], adv[perm], mask[perm], **eps), has_aux=True)(
-          logp[perm])
+  p = lambda x: jnp.asarray(np.asarray(x)[perm])
+  l1, m1, g1 = evaluate(name, logp, old, adv, mask, **eps)
+  l2, m2, g2 = evaluate(name, p(logp), p(old), p(adv), p(mask), **eps)
   np.testing.assert_allclose(l2, l1, **tol)
   for k in m1:
     np.testing.assert_allclose(m2[k], m1[k], err_msg=k, **tol)
@@ -321,8 +353,9 @@ def test_gspo_invariant_to_token_order_within_a_row(dtype, tol):
   logp, old, adv, _ = random_batch(8, dtype, scale=0.1)
   mask = jnp.ones(logp.shape)
   perm = np.random.default_rng(8).permutation(logp.shape[1])
-  l1, _ = L.gspo_loss(logp, old, adv, mask, eps_low=0.05, eps_high=0.05)
-  l2, _ = L.gspo_loss(logp[:, perm], old[:, perm], adv, mask, eps_low=0.05, eps_high=0.05)
+  p = lambda x: jnp.asarray(np.asarray(x)[:, perm])
+  l1, _, _ = evaluate("gspo", logp, old, adv, mask, eps_low=0.05, eps_high=0.05)
+  l2, _, _ = evaluate("gspo", p(logp), p(old), adv, mask, eps_low=0.05, eps_high=0.05)
   np.testing.assert_allclose(l2, l1, **tol)
 
 
@@ -330,8 +363,8 @@ def test_seq_mean_equals_token_mean_when_lengths_are_equal(dtype, tol):
   # Identity 8.
   logp, old, adv, _ = random_batch(9, dtype, scale=0.2)
   mask = jnp.ones(logp.shape)
-  a = L.grpo_loss(logp, old, adv, mask, aggregation="seq-mean-token-mean")[0]
-  b = L.grpo_loss(logp, old, adv, mask, aggregation="token-mean")[0]
+  a = evaluate("grpo", logp, old, adv, mask, aggregation="seq-mean-token-mean")[0]
+  b = evaluate("grpo", logp, old, adv, mask, aggregation="token-mean")[0]
   np.testing.assert_allclose(a, b, **tol)
 
 
@@ -340,9 +373,14 @@ def test_old_logp_is_a_constant(name, dtype):
   # pi_old is the sampling policy: no gradient may flow into it, even when the caller
   # passes a differentiable array.
   logp, old, adv, mask = random_batch(10, dtype, scale=0.1)
-  g_old = jax.grad(lambda o: LOSSES[name](logp, o, adv, mask)[0])(old)
+
+  @jax.jit
+  def grads(logp, old, adv, mask):
+    return (jax.grad(lambda o: LOSSES[name](logp, o, adv, mask)[0])(old),
+            jax.grad(lambda o: jnp.sum(L.sequence_log_ratio(logp, o, mask)))(old))
+
+  g_old, g_seq = grads(logp, old, adv, mask)
   assert np.all(np.asarray(g_old) == 0)
-  g_seq = jax.grad(lambda o: jnp.sum(L.sequence_log_ratio(logp, o, mask)))(old)
   assert np.all(np.asarray(g_seq) == 0)
 
 
@@ -356,26 +394,32 @@ def test_kl_estimators_hand_values(dtype, tol):
   mask = jnp.asarray([[1, 1, 0]])
   d = np.array([0.5, -1.0])
   want = {"k1": -d, "k2": d * d / 2, "k3": np.exp(d) - d - 1}
+  kls = jax.jit(lambda a, b, m: {est: L.kl_penalty(a, b, m, estimator=est) for est in want})(
+      logp, ref, mask)
   for est, w in want.items():
-    kl = L.kl_penalty(logp, ref, mask, estimator=est)
-    np.testing.assert_allclose(kl, [[w[0], w[1], 0.0]], **tol)
+    np.testing.assert_allclose(kls[est], [[w[0], w[1], 0.0]], **tol)
 
 
 @pytest.mark.parametrize("name", list(LOSSES))
 def test_kl_term_adds_beta_times_aggregated_kl(name, dtype, tol):
   logp, old, adv, mask = random_batch(11, dtype, scale=0.1)
-  ref = logp - 0.2 * jnp.abs(logp)
-  base, _ = LOSSES[name](logp, old, adv, mask)
-  with_ref_beta0, m0 = LOSSES[name](logp, old, adv, mask, ref_logp_BxT=ref)
+  ref = arr(np.asarray(logp) - 0.2 * np.abs(np.asarray(logp)), dtype)
+  f = LOSSES[name]
+
+  @jax.jit
+  def run(logp, old, adv, mask, ref):
+    base, _ = f(logp, old, adv, mask)
+    with_ref_beta0, _ = f(logp, old, adv, mask, ref_logp_BxT=ref)
+    loss, m = f(logp, old, adv, mask, ref_logp_BxT=ref, kl_coef=0.25, kl_estimator="k2")
+    kl = L.aggregate(L.kl_penalty(logp, ref, mask, estimator="k2"), mask)
+    g_ref = jax.grad(lambda r: f(logp, old, adv, mask, ref_logp_BxT=r, kl_coef=0.25)[0])(ref)
+    return base, with_ref_beta0, loss, m, kl, g_ref
+
+  base, with_ref_beta0, loss, m, kl, g_ref = run(logp, old, adv, mask, ref)
   np.testing.assert_allclose(with_ref_beta0, base, **tol)  # beta = 0 by default
-  loss, m = LOSSES[name](logp, old, adv, mask, ref_logp_BxT=ref, kl_coef=0.25,
-                         kl_estimator="k2")
-  kl = L.aggregate(L.kl_penalty(logp, ref, mask, estimator="k2"), mask)
   np.testing.assert_allclose(loss, base + 0.25 * kl, **tol)
   np.testing.assert_allclose(m["kl"], kl, **tol)
   # The reference is a constant: no gradient reaches it.
-  g_ref = jax.grad(lambda r: LOSSES[name](logp, old, adv, mask, ref_logp_BxT=r, kl_coef=0.25)[0])(
-      ref)
   assert np.all(np.asarray(g_ref) == 0)
 
 
@@ -388,16 +432,18 @@ def test_jit_vmap_grad(name, dtype, tol):
   eps = dict(eps_low=0.05, eps_high=0.05)
   f = functools.partial(LOSSES[name], **eps)
   eager, eager_m = f(logp, old, adv, mask)
-  jitted, jitted_m = jax.jit(f)(logp, old, adv, mask)
+  jitted_f = jax.jit(f)
+  jitted, jitted_m = jitted_f(logp, old, adv, mask)
   np.testing.assert_allclose(jitted, eager, **tol)
   for k in eager_m:
     np.testing.assert_allclose(jitted_m[k], eager_m[k], err_msg=k, **tol)
-  # vmap over an extra leading axis (K independent minibatches).
-  stack = lambda *xs: jnp.stack(xs)
+  # vmap over an extra leading axis (K independent minibatches); each minibatch alone
+  # through the jitted loss (just shown equal to the eager one).
+  stack = lambda *xs: jnp.asarray(np.stack([np.asarray(x) for x in xs]))
   batches = [random_batch(s, dtype, scale=0.1) for s in (20, 21, 22)]
   vm, vm_m = jax.vmap(f)(*[stack(*parts) for parts in zip(*batches)])
   for i, b in enumerate(batches):
-    li, mi = f(*b)
+    li, mi = jitted_f(*b)
     np.testing.assert_allclose(vm[i], li, **tol)
     np.testing.assert_allclose(vm_m["clip_frac_token"][i], mi["clip_frac_token"], **tol)
   g = jax.jit(jax.grad(lambda lp: f(lp, old, adv, mask)[0]))(logp)
@@ -436,8 +482,8 @@ def test_single_token_responses(name, dtype, tol):
   # T = 1: s_i = w_i1, so all three losses coincide (one token per row).
   logp, old, adv, mask = random_batch(15, dtype, T=1, scale=0.1)
   eps = dict(eps_low=0.05, eps_high=0.06)
-  loss, _ = LOSSES[name](logp, old, adv, mask, **eps)
-  ref, _ = L.gspo_loss(logp, old, adv, mask, **eps)
+  loss, _, _ = evaluate(name, logp, old, adv, mask, **eps)
+  ref, _, _ = evaluate("gspo", logp, old, adv, mask, **eps)
   np.testing.assert_allclose(loss, ref, **tol)
 
 
@@ -472,15 +518,16 @@ def test_gspo_value_is_continuous_at_the_clip_boundary(dtype):
   # Identity 10: at s on a bound both branches agree, so the value is continuous.
   logp = arr([[0.0]], dtype)
   for adv, log_s in ((1.0, math.log(1.2)), (-1.0, math.log(0.8))):
-    old = arr([[-log_s]], dtype)
-    vals = [float(L.gspo_loss(logp, old + d, arr([adv], dtype), jnp.ones((1, 1)), eps_low=0.2,
-                              eps_high=0.2)[0]) for d in (-1e-4, 0.0, 1e-4)]
+    old = np.asarray([[-log_s]], dtype)
+    vals = [float(evaluate("gspo", logp, arr(old + d, dtype), arr([adv], dtype), jnp.ones((1, 1)),
+                           eps_low=0.2, eps_high=0.2)[0]) for d in (-1e-4, 0.0, 1e-4)]
     assert abs(vals[0] - vals[1]) < 1e-3 and abs(vals[2] - vals[1]) < 1e-3
 
 
 def test_bf16_inputs_are_computed_in_float32():
   logp, old, adv, mask = random_batch(17, np.float32, scale=0.1)
-  loss16, m16 = L.gspo_loss(logp.astype(jnp.bfloat16), old.astype(jnp.bfloat16), adv, mask)
+  bf16 = lambda x: jnp.asarray(np.asarray(x).astype(jnp.bfloat16))
+  loss16, m16, _ = evaluate("gspo", bf16(logp), bf16(old), adv, mask)
   assert loss16.dtype == jnp.float32 and m16["ratio_mean"].dtype == jnp.float32
 
 
@@ -537,6 +584,6 @@ def test_shape_errors_also_raise_under_jit():
 
 def test_bool_mask_equals_float_mask(dtype, tol):
   logp, old, adv, mask = random_batch(18, dtype, scale=0.1)
-  a, _ = L.gspo_loss(logp, old, adv, mask)
-  b, _ = L.gspo_loss(logp, old, adv, mask.astype(bool))
+  a, _, _ = evaluate("gspo", logp, old, adv, mask)
+  b, _, _ = evaluate("gspo", logp, old, adv, jnp.asarray(np.asarray(mask).astype(bool)))
   np.testing.assert_allclose(a, b, **tol)
