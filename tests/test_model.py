@@ -18,11 +18,6 @@ def forward(model, tokens, pos, valid=None, replay=None, embeds=None):
   return model(tokens, pos, valid, replay=replay, embeds_BxSxD=embeds)
 
 
-@nnx.jit
-def logits(model, hidden):
-  return model.logits(hidden)
-
-
 @pytest.fixture(scope="module")
 def dense():
   return transformer.create(config.tiny(), seed=1)
@@ -31,6 +26,26 @@ def dense():
 @pytest.fixture(scope="module")
 def moe():
   return transformer.create(config.tiny_moe(), seed=2)
+
+
+# The cached-decode test's three programs (prefill, one decode step, the reference
+# forward), each with its logits: one compile each per model instead of six.
+@nnx.jit
+def prefill_logits(model, tokens, pos, valid, lens):
+  out = model(tokens, pos, valid)
+  last = out.hidden_BxSxD[jnp.arange(tokens.shape[0]), lens - 1]
+  return out, model.logits(last)
+
+
+@nnx.jit
+def decode_logits(model, tokens, pos, cache):
+  h, cache = model.decode(tokens, pos, cache)
+  return model.logits(h), cache
+
+
+@nnx.jit
+def forward_logits(model, tokens, pos, valid):
+  return model.logits(model(tokens, pos, valid).hidden_BxSxD)
 
 
 def full_sequences(prompts_BxP, lens_B, resp_BxGxT):
@@ -61,23 +76,21 @@ def test_cached_decode_equals_full_forward(which, dense, moe):
   # Cached path: prefill the prompts once, then feed the response tokens one at a time.
   pos = np.broadcast_to(np.arange(P), (B, P))
   valid = pos < lens[:, None]
-  out = forward(model, jnp.asarray(prompts), jnp.asarray(pos), jnp.asarray(valid))
-  last = out.hidden_BxSxD[np.arange(B), lens - 1]
-  cached = [np.broadcast_to(np.asarray(logits(model, last))[:, None], (B, G, 64))]
+  out, last_logits = prefill_logits(model, jnp.asarray(prompts), jnp.asarray(pos),
+                                    jnp.asarray(valid), jnp.asarray(lens))
+  cached = [np.broadcast_to(np.asarray(last_logits)[:, None], (B, G, 64))]
   cache = KVCache.from_prefill(out, jnp.asarray(valid), G, T)
-  step = nnx.jit(lambda m, tok, p, c: m.decode(tok, p, c))
   for t in range(T - 1):
-    h, cache = step(model, jnp.asarray(resp[:, :, t]), jnp.asarray(lens[:, None] + t + 0 * resp[:, :, t]),
-                    cache)
-    cached.append(np.asarray(logits(model, h)))
+    step_logits, cache = decode_logits(model, jnp.asarray(resp[:, :, t]),
+                                       jnp.asarray(lens[:, None] + t + 0 * resp[:, :, t]), cache)
+    cached.append(np.asarray(step_logits))
   cached = np.stack(cached, axis=2)  # (B, G, T, V): logits predicting response token t
 
   # Reference: a plain causal forward over each concatenated row.
   seq, n = full_sequences(prompts, lens, resp)
-  ref = forward(model, jnp.asarray(seq),
-                jnp.asarray(np.broadcast_to(np.arange(seq.shape[1]), seq.shape)),
-                jnp.asarray(np.arange(seq.shape[1])[None, :] < n[:, None]))
-  ref_logits = np.asarray(logits(model, ref.hidden_BxSxD))
+  ref_logits = np.asarray(forward_logits(
+      model, jnp.asarray(seq), jnp.asarray(np.broadcast_to(np.arange(seq.shape[1]), seq.shape)),
+      jnp.asarray(np.arange(seq.shape[1])[None, :] < n[:, None])))
   for i in range(B * G):
     b, g = divmod(i, G)
     want = ref_logits[i, lens[b] - 1: lens[b] - 1 + T]
@@ -140,7 +153,9 @@ def test_rmsnorm_hand_values():
 def test_config_variants_build_and_run():
   for cfg in (config.tiny(qk_norm=False), config.tiny(tie_embeddings=True),
               config.tiny(num_kv_heads=4), config.tiny(num_kv_heads=1, head_dim=8)):
-    model = transformer.create(cfg)
+    # Built eagerly: transformer.create's one-program initialisation (covered by the
+    # fixtures) is a cold compile of several seconds per config; eager ops are shared.
+    model = transformer.Transformer(cfg, rngs=nnx.Rngs(0))
     out = forward(model, jnp.zeros((1, 3), jnp.int32), jnp.arange(3)[None])
     assert out.hidden_BxSxD.shape == (1, 3, 64) and np.all(np.isfinite(out.hidden_BxSxD))
     assert (model.lm_head is None) == cfg.tie_embeddings
