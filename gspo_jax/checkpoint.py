@@ -18,7 +18,8 @@ def check_writable(directory: str) -> None:
   """Fail before training starts if the run directory cannot be written."""
   try:
     os.makedirs(directory, exist_ok=True)
-    probe = os.path.join(directory, ".write_test")
+    # One probe per process: hosts sharing the directory must not delete each other's.
+    probe = os.path.join(directory, f".write_test.{jax.process_index()}.{os.getpid()}")
     with open(probe, "w") as f:
       f.write("ok")
     os.remove(probe)

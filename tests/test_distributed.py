@@ -34,8 +34,10 @@ def command(run_dir, mesh, *extra):
 
 
 def launch(cmds, timeout=420):
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env["JAX_PLATFORMS"] = "cpu"
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  # conftest's fast-compile flags, without its 8-device count (--cpu-devices sets that).
+  env["XLA_FLAGS"] = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                              if "device_count" not in f)
   procs = [subprocess.Popen(c, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True) for c in cmds]
   outs = []
