@@ -195,3 +195,25 @@ def test_live_comparison_with_transformers(tmp_path):
   with torch.no_grad():
     want = theirs(torch.tensor(ids)).logits.numpy()
   np.testing.assert_allclose(logits(model, ids), want, atol=1e-4)
+
+
+def test_live_fresh_random_checkpoints_of_every_case(tmp_path):
+  """Regenerates each fixture case with new random weights (in tmp_path; the committed
+  fixtures stay as they are) and compares our logits with transformers' live."""
+  torch = pytest.importorskip("torch", reason="optional: needs torch + transformers")
+  pytest.importorskip("transformers", reason="optional: needs transformers")
+  import importlib.util
+  spec = importlib.util.spec_from_file_location(
+      "make_fixtures", os.path.join(FIXTURES, "make_fixtures.py"))
+  make = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(make)
+  ids = np.load(os.path.join(fixture("llama"), "inputs.npy"))
+  for name, (cfg_cls, model_cls, cfg_kwargs, save_kwargs, seed) in make.case_specs().items():
+    torch.manual_seed(1000 + seed)
+    theirs = model_cls(cfg_cls(**cfg_kwargs)).to(torch.float32).eval()
+    make.randomise_(theirs)
+    theirs.save_pretrained(str(tmp_path / name), safe_serialization=True, **save_kwargs)
+    with torch.no_grad():
+      want = theirs(input_ids=torch.from_numpy(ids)).logits.numpy()
+    np.testing.assert_allclose(logits(hf.load(str(tmp_path / name)), ids), want, atol=1e-4,
+                               err_msg=name)
