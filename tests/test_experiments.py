@@ -38,6 +38,11 @@ def test_gspo_vs_grpo_quick(tmp_path):
   # Same seed, same deterministic cold start: both losses start from the same policy.
   assert summary["gspo"]["heldout_start"] == summary["grpo"]["heldout_start"]
   assert json.loads((tmp_path / "summary.json").read_text())["gspo"]["seeds"] == [0]
+  # Experiment 4 on the quick GSPO run's policy.
+  gap = load("precision_gap").main(["--quick", "--run", str(tmp_path / "runs" / "gspo_seed0"),
+                                    "--out", str(tmp_path / "gap")])
+  assert finite(gap) and gap["responses"] > 0 and (tmp_path / "gap" / "log_ratio_hist.png").exists()
+  assert gap["tokens"] >= gap["responses"]
 
 
 def test_gspo_token_equivalence_quick(tmp_path):

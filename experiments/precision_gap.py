@@ -1,0 +1,126 @@
+"""Experiment 4 of the paper (first part): how far a bfloat16 sampler's likelihoods are from a
+float32 trainer's at theta = theta_old, per token vs per sequence.
+
+The same parameters sample in bfloat16 (parameters and activations cast) and are rescored
+teacher-forced in float32. With no update in between every importance ratio should be 1;
+the precision gap alone moves it. GRPO's per-token ratio and GSPO's length-normalised
+sequence ratio s_i = exp(mean_t log r_it) see that gap differently: averaging over the
+response shrinks it. We report the spread of both log-ratios and the fraction that falls
+outside each method's clip range.
+
+    python experiments/precision_gap.py [--quick] [--run RUN_DIR] [--prompts 256]
+
+RUN_DIR: a training run directory (default: the GSPO seed-0 run of gspo_vs_grpo, if present;
+otherwise a cold-started model is trained here). Writes
+experiments/results/precision_gap[_quick]/summary.json and log_ratio_hist.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from gspo_jax import losses, sampling  # noqa: E402
+from gspo_jax import train as T  # noqa: E402
+from gspo_jax.models import transformer  # noqa: E402
+
+DEFAULT_RUN = os.path.join(ROOT, "experiments", "results", "gspo_vs_grpo", "runs", "gspo_seed0")
+
+
+def bf16_model(run):
+  """The run's policy with parameters and activations in bfloat16."""
+  cfg = dataclasses.replace(run.cfg.model, dtype="bfloat16", param_dtype="bfloat16")
+  graphdef, _ = nnx.split(nnx.eval_shape(lambda: transformer.Transformer(cfg, rngs=nnx.Rngs(0))))
+  params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), nnx.state(nnx.merge(run.graphdef,
+                                                                             run.state.params)))
+  return nnx.merge(graphdef, params)
+
+
+def measure(run, prompts: int) -> dict:
+  cfg = dataclasses.replace(run.cfg, rollout=dataclasses.replace(run.cfg.rollout,
+                                                                 prompts_per_iter=prompts))
+  examples = run.task.sample(np.random.default_rng([cfg.seed, 99]), prompts, "train")
+  ids, lens = T.encode_prompts(run.tok, examples, cfg.rollout.max_prompt_len)
+  rollout = sampling.sample_groups(bf16_model(run), ids, lens, jax.random.key(0),
+                                   T.sampler_config(run.tok, cfg))
+  B, G, L = rollout.tokens_BxGxT.shape
+  tokens, mask = rollout.tokens_BxGxT.reshape(B * G, L), rollout.mask_BxGxT.reshape(B * G, L)
+  f32 = T.score_logprobs(run.state.params, run.graphdef, jnp.repeat(jnp.asarray(ids), G, 0),
+                         jnp.repeat(jnp.asarray(lens), G, 0), tokens, cfg.rollout.temperature)
+  bf16 = rollout.logp_BxGxT.reshape(B * G, L)
+  m = np.asarray(mask) > 0
+  token_lr = np.asarray(f32 - bf16)[m]             # log r_it, trainer over sampler
+  seq_lr = np.asarray(losses.sequence_log_ratio(f32, bf16, mask))
+  seq_lr = seq_lr[np.asarray(mask).sum(1) > 0]
+  outside = lambda lr, lo, hi: float(np.mean((np.exp(lr) < 1 - lo) | (np.exp(lr) > 1 + hi)))
+  return {
+      "responses": int(len(seq_lr)), "tokens": int(m.sum()),
+      "mean_response_length": float(m.sum() / len(seq_lr)),
+      "token_log_ratio_std": float(token_lr.std()),
+      "token_log_ratio_max_abs": float(np.abs(token_lr).max()),
+      "seq_log_ratio_std": float(seq_lr.std()),
+      "seq_log_ratio_max_abs": float(np.abs(seq_lr).max()),
+      "tokens_outside_grpo_clip(0.2,0.27)": outside(token_lr, 0.2, 0.27),
+      "sequences_outside_gspo_clip(3e-4,4e-4)": outside(seq_lr, 3e-4, 4e-4),
+      "tokens_outside_gspo_clip_if_per_token(3e-4,4e-4)": outside(token_lr, 3e-4, 4e-4),
+  }, token_lr, seq_lr
+
+
+def plot(token_lr, seq_lr, out: str) -> str:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(6, 4))
+  bins = np.linspace(-0.05, 0.05, 81)
+  ax.hist(np.clip(token_lr, bins[0], bins[-1]), bins=bins, alpha=0.6, density=True,
+          label="per token: log r_it (GRPO)")
+  ax.hist(np.clip(seq_lr, bins[0], bins[-1]), bins=bins, alpha=0.6, density=True,
+          label="per sequence: mean_t log r_it (GSPO)")
+  ax.set_xlabel("log(pi_float32 / pi_bfloat16) at theta = theta_old (clipped to +-0.05)")
+  ax.set_ylabel("density")
+  ax.legend()
+  fig.tight_layout()
+  path = os.path.join(out, "log_ratio_hist.png")
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description="bf16 sampler vs f32 trainer log-ratio spread")
+  parser.add_argument("--quick", action="store_true", help="16 prompts")
+  parser.add_argument("--run", default=None, help=f"training run (default {DEFAULT_RUN})")
+  parser.add_argument("--prompts", type=int, default=256)
+  parser.add_argument("--out", default=None)
+  args = parser.parse_args(argv)
+  out = args.out or os.path.join(ROOT, "experiments", "results",
+                                 "precision_gap_quick" if args.quick else "precision_gap")
+  os.makedirs(out, exist_ok=True)
+  run_dir = args.run or DEFAULT_RUN
+  if not os.path.exists(os.path.join(run_dir, "config.json")):
+    raise SystemExit(f"no training run at {run_dir}: run experiments/gspo_vs_grpo.py first, or "
+                     "pass --run")
+  run = T.load_run(run_dir)
+  summary, token_lr, seq_lr = measure(run, 16 if args.quick else args.prompts)
+  summary["run"] = os.path.relpath(run_dir, ROOT)
+  with open(os.path.join(out, "summary.json"), "w") as f:
+    json.dump(summary, f, indent=2)
+  path = plot(token_lr, seq_lr, out)
+  print(json.dumps(summary, indent=2))
+  print("wrote", os.path.join(out, "summary.json"), path)
+  return summary
+
+
+if __name__ == "__main__":
+  main()
