@@ -51,3 +51,11 @@ def test_gspo_token_equivalence_quick(tmp_path):
   assert max(summary["max_param_diff_vs_gspo"]["gspo_token"]) < 1e-6
   assert min(summary["max_param_diff_vs_gspo"]["gspo_token_bonus"]) > 1e-4
   assert summary["param_change_of_gspo"] > 1e-4
+
+
+def test_moe_routing_quick(tmp_path):
+  summary = load("moe_routing").main(["--quick", "--out", str(tmp_path)])
+  assert set(summary) == {"gspo_lr0.0001", "grpo_lr0.0001"} and finite(summary)
+  for result in summary.values():
+    assert 0 <= result["changed_fraction"] <= 1 and len(result["changed_per_layer"]) == 2
+  assert (tmp_path / "summary.json").exists()
