@@ -30,6 +30,7 @@ from flax import nnx
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from experiments import _plots  # noqa: E402
 from gspo_jax import losses, sampling  # noqa: E402
 from gspo_jax.advantages import group_advantages  # noqa: E402
 from gspo_jax.models import config, transformer  # noqa: E402
@@ -110,10 +111,7 @@ def run(steps: int) -> dict:
 
 
 def plot(summary: dict, out: str) -> str:
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  fig, ax = plt.subplots(figsize=(6, 4))
+  fig, ax = _plots.figure()
   steps = np.arange(1, summary["steps"] + 1)
   labels = {"gspo_token": "GSPO-token, per-sequence A_i",
             "gspo_token_bonus": f"GSPO-token, A_i + {BONUS} on token 0"}
@@ -122,13 +120,7 @@ def plot(summary: dict, out: str) -> str:
   ax.set_yscale("log")
   ax.set_xlabel("AdamW step on the same batch")
   ax.set_ylabel("max |params - GSPO params| (floored at 1e-12)")
-  ax.legend()
-  ax.grid(alpha=0.3)
-  fig.tight_layout()
-  path = os.path.join(out, "param_diff.png")
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-  return path
+  return _plots.save(fig, ax, out, "param_diff.png")
 
 
 def main(argv=None):

@@ -26,6 +26,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from experiments import _plots  # noqa: E402
 from gspo_jax import configlib  # noqa: E402
 from gspo_jax import train as T  # noqa: E402
 
@@ -106,14 +107,11 @@ def summarise(runs: dict[str, list[dict]]) -> dict:
 
 
 def plot(runs: dict[str, list[dict]], out: str) -> list[str]:
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
   colours = {"gspo": "tab:blue", "grpo": "tab:orange"}
   files = []
 
   def figure(name, key, ylabel, x="step", smooth=1):
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = _plots.figure()
     for loss, items in sorted(runs.items()):
       for i, it in enumerate(items):
         steps, ys = curve(it["rows"], key)
@@ -131,19 +129,13 @@ def plot(runs: dict[str, list[dict]], out: str) -> list[str]:
     ax.set_xlabel("training seconds (sample+score+old log-probs+update)" if x == "time" else
                   "iteration")
     ax.set_ylabel(ylabel)
-    ax.legend()
-    ax.grid(alpha=0.3)
-    path = os.path.join(out, name)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    files.append(path)
+    files.append(_plots.save(fig, ax, out, name))
 
   figure("reward.png", "reward_mean", "training reward (mean of 20 iterations)", smooth=20)
   figure("reward_vs_time.png", "reward_mean", "training reward (mean of 20 iterations)",
          x="time", smooth=20)
   figure("heldout.png", "heldout_accuracy", "held-out greedy accuracy")
-  fig, ax = plt.subplots(figsize=(6, 4))
+  fig, ax = _plots.figure()
   for loss, items in sorted(runs.items()):
     for i, it in enumerate(items):
       steps, ys = curve(it["rows"], "clip_frac_token")
@@ -152,13 +144,7 @@ def plot(runs: dict[str, list[dict]], out: str) -> list[str]:
   ax.set_yscale("log")
   ax.set_xlabel("iteration")
   ax.set_ylabel("fraction of tokens clipped (floored at 1e-5)")
-  ax.legend()
-  ax.grid(alpha=0.3)
-  fig.tight_layout()
-  path = os.path.join(out, "clip_fraction.png")
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-  files.append(path)
+  files.append(_plots.save(fig, ax, out, "clip_fraction.png"))
   return files
 
 

@@ -31,6 +31,7 @@ from flax import nnx
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from experiments import _plots  # noqa: E402
 from gspo_jax import losses, sampling  # noqa: E402
 from gspo_jax import train as T  # noqa: E402
 from gspo_jax.models import transformer  # noqa: E402
@@ -78,10 +79,7 @@ def measure(run, prompts: int) -> dict:
 
 
 def plot(token_lr, seq_lr, out: str) -> str:
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  fig, ax = plt.subplots(figsize=(6, 4))
+  fig, ax = _plots.figure()
   bins = np.linspace(-0.05, 0.05, 81)
   ax.hist(np.clip(token_lr, bins[0], bins[-1]), bins=bins, alpha=0.6, density=True,
           label="per token: log r_it (GRPO)")
@@ -89,12 +87,7 @@ def plot(token_lr, seq_lr, out: str) -> str:
           label="per sequence: mean_t log r_it (GSPO)")
   ax.set_xlabel("log(pi_float32 / pi_bfloat16) at theta = theta_old (clipped to +-0.05)")
   ax.set_ylabel("density")
-  ax.legend()
-  fig.tight_layout()
-  path = os.path.join(out, "log_ratio_hist.png")
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-  return path
+  return _plots.save(fig, ax, out, "log_ratio_hist.png", grid=False)
 
 
 def main(argv=None):

@@ -89,12 +89,6 @@ class Checkpoint:
   def names(self) -> list[str]:
     return sorted(self._where)
 
-  def __contains__(self, name: str) -> bool:
-    return name in self._where
-
-  def shape(self, name: str) -> tuple[int, ...]:
-    return tuple(self._lookup(name)[1]["shape"])
-
   def tensor(self, name: str) -> np.ndarray:
     path, info, start = self._lookup(name)
     begin, _ = info["data_offsets"]

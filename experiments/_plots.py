@@ -1,0 +1,26 @@
+"""What every experiment plot shares: a headless figure, and saving it the same way."""
+
+from __future__ import annotations
+
+import os
+
+
+def figure():
+  """(fig, ax) on the non-interactive Agg backend (no display needed)."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  return plt.subplots(figsize=(6, 4))
+
+
+def save(fig, ax, out: str, name: str, *, grid: bool = True) -> str:
+  """Legend, optional light grid, tight layout, 110 dpi PNG at out/name; closes the figure."""
+  import matplotlib.pyplot as plt
+  ax.legend()
+  if grid:
+    ax.grid(alpha=0.3)
+  fig.tight_layout()
+  path = os.path.join(out, name)
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path
