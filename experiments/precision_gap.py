@@ -26,7 +26,6 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -34,18 +33,13 @@ sys.path.insert(0, ROOT)
 from experiments import _plots  # noqa: E402
 from gspo_jax import losses, sampling  # noqa: E402
 from gspo_jax import train as T  # noqa: E402
-from gspo_jax.models import transformer  # noqa: E402
 
 DEFAULT_RUN = os.path.join(ROOT, "experiments", "results", "gspo_vs_grpo", "runs", "gspo_seed0")
 
 
 def bf16_model(run):
   """The run's policy with parameters and activations in bfloat16."""
-  cfg = dataclasses.replace(run.cfg.model, dtype="bfloat16", param_dtype="bfloat16")
-  graphdef, _ = nnx.split(nnx.eval_shape(lambda: transformer.Transformer(cfg, rngs=nnx.Rngs(0))))
-  params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), nnx.state(nnx.merge(run.graphdef,
-                                                                             run.state.params)))
-  return nnx.merge(graphdef, params)
+  return T.sampler_policy(run.graphdef, run.state.params, run.cfg.model, "bfloat16")
 
 
 def measure(run, prompts: int) -> dict:

@@ -39,6 +39,13 @@ from gspo_jax.models.config import ModelConfig, tiny
 Array = jax.Array
 
 OLD_LOGP_SOURCES = ("recompute", "sampler")
+# MoE routing in the update (paper section 5.3):
+#   free:   every forward routes anew (GSPO needs nothing else);
+#   track:  record pi_old's expert choices, report `routing_changed` per update (diagnostic);
+#   replay: Routing Replay, pi_theta's forward reuses pi_old's recorded expert choices, the
+#           workaround GRPO needs on MoE models.
+ROUTING_MODES = ("free", "track", "replay")
+SAMPLER_DTYPES = ("", "float32", "bfloat16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,8 +57,12 @@ class RolloutConfig:
   temperature: float = 1.0
   top_p: float = 1.0
   top_k: int = 0
+  # Sample with parameters and activations cast to this dtype ("" = the trainer's): a
+  # bfloat16 inference engine next to a float32 trainer (paper section 5.4).
+  sampler_dtype: str = ""
 
   def __post_init__(self):
+    _checks.check_choice("RolloutConfig", "sampler_dtype", self.sampler_dtype, SAMPLER_DTYPES)
     if self.prompts_per_iter < 1 or self.group_size < 2:
       raise ValueError("rollout.prompts_per_iter must be >= 1 and rollout.group_size >= 2 "
                        "(group-normalised advantages need 2 responses per prompt)")
@@ -100,6 +111,7 @@ class TrainConfig:
   eps_high: float = 4e-4
   num_minibatches: int = 4
   old_logp: str = "recompute"       # or "sampler": reuse the sampler's log-probs as pi_old
+  routing: str = "free"             # MoE only: "free", "track" or "replay" (see ROUTING_MODES)
   kl_coef: float = 0.0
   kl_estimator: str = "k3"
   iterations: int = 50
@@ -116,11 +128,20 @@ class TrainConfig:
     _checks.check_choice("TrainConfig", "loss", self.loss, tuple(losses.LOSSES))
     _checks.check_choice("TrainConfig", "old_logp", self.old_logp, OLD_LOGP_SOURCES)
     _checks.check_choice("TrainConfig", "kl_estimator", self.kl_estimator, losses.KL_ESTIMATORS)
+    _checks.check_choice("TrainConfig", "routing", self.routing, ROUTING_MODES)
+    if not self.pretrained:
+      check_routing(self)
     if (self.rollout.prompts_per_iter * self.rollout.group_size) % self.num_minibatches:
       raise ValueError(f"TrainConfig.num_minibatches ({self.num_minibatches}) must divide "
                        "rollout.prompts_per_iter * rollout.group_size")
     if not (self.eps_low > 0 and self.eps_high > 0):
       raise ValueError("TrainConfig.eps_low and eps_high must be > 0")
+
+
+def check_routing(cfg: TrainConfig) -> None:
+  if cfg.routing != "free" and not cfg.model.num_experts:
+    raise ValueError(f"TrainConfig.routing={cfg.routing!r} needs a Mixture-of-Experts model "
+                     "(model.num_experts > 0); a dense model has no routing to track or replay")
 
 
 @flax.struct.dataclass
@@ -141,6 +162,8 @@ class Batch:
   old_logp_RxT: Array
   adv_R: Array
   ref_logp_RxT: Array | None = None
+  # pi_old's expert choices per MoE layer, (R, P+T, K) int32 each (routing track / replay).
+  old_experts: tuple[Array, ...] | None = None
 
 
 def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
@@ -163,12 +186,30 @@ def current_lr(opt_state) -> Array:
 
 
 def _minibatch_loss(params, graphdef, mb: Batch, cfg: TrainConfig):
-  logp = score_logprobs(params, graphdef, mb.prompts_RxP, mb.prompt_lens_R, mb.tokens_RxT,
-                        cfg.rollout.temperature)
-  return losses.LOSSES[cfg.loss](
+  replay = mb.old_experts if cfg.routing == "replay" else None
+  logp, router = teacher_forced(params, graphdef, mb.prompts_RxP, mb.prompt_lens_R, mb.tokens_RxT,
+                                cfg.rollout.temperature, replay=replay)
+  loss, metrics = losses.LOSSES[cfg.loss](
       logp, mb.old_logp_RxT, mb.adv_R, mb.mask_RxT, eps_low=cfg.eps_low,
       eps_high=cfg.eps_high, ref_logp_BxT=mb.ref_logp_RxT, kl_coef=cfg.kl_coef,
       kl_estimator=cfg.kl_estimator)
+  if cfg.routing == "track":
+    metrics = {**metrics, "routing_changed": routing_changed(router.indices, mb.old_experts,
+                                                             mb.mask_RxT)}
+  return loss, metrics
+
+
+def routing_changed(new_experts, old_experts, mask_RxT: Array) -> Array:
+  """Fraction of (response token, MoE layer) pairs whose top-k expert *set* differs between
+  two forwards of the same rows (paper section 5.3: ~10% per update at 48 layers).
+
+  new_experts, old_experts: per MoE layer (R, P+T, K) int expert indices; mask_RxT: which
+  response tokens count. Order within the top k does not matter (sets are compared)."""
+  T = mask_RxT.shape[1]
+  changed = [jnp.any(jnp.sort(n[:, -T:], -1) != jnp.sort(o[:, -T:], -1), -1)
+             for n, o in zip(new_experts, old_experts)]
+  per_layer = [jnp.sum(c * mask_RxT) / jnp.maximum(jnp.sum(mask_RxT), 1.0) for c in changed]
+  return jnp.mean(jnp.stack(per_layer))
 
 
 def _apply_step(state_parts, mb: Batch, graphdef, tx, cfg: TrainConfig):
@@ -209,12 +250,19 @@ def update(state: TrainState, batch: Batch, *, graphdef, tx, cfg: TrainConfig, m
   return state.replace(params=params, opt_state=opt_state, step=state.step + 1), summary
 
 
+def teacher_forced(params, graphdef, prompts_RxP, lens_R, tokens_RxT, temperature, *,
+                   replay=None):
+  """Teacher-forced log-probs of the rollout rows under `params`, and the forward's expert
+  choices (RouterInfo; `replay` forces them, Routing Replay)."""
+  model = nnx.merge(graphdef, params)
+  logp, router = sampling.response_logprobs(model, prompts_RxP, lens_R, tokens_RxT[:, None],
+                                            temperature=temperature, replay=replay)
+  return logp[:, 0], router
+
+
 def score_logprobs(params, graphdef, prompts_RxP, lens_R, tokens_RxT, temperature):
   """Teacher-forced log-probs of the rollout rows under `params` (pi_old or pi_ref)."""
-  model = nnx.merge(graphdef, params)
-  logp, _ = sampling.response_logprobs(model, prompts_RxP, lens_R, tokens_RxT[:, None],
-                                       temperature=temperature)
-  return logp[:, 0]
+  return teacher_forced(params, graphdef, prompts_RxP, lens_R, tokens_RxT, temperature)[0]
 
 
 def flatten_rollout(prompts_BxP, lens_B, rollout: sampling.Rollout):
@@ -227,17 +275,20 @@ def flatten_rollout(prompts_BxP, lens_B, rollout: sampling.Rollout):
 
 def prepare(params, ref_params, prompts_BxP, lens_B, rollout: sampling.Rollout, rewards_BxG, *,
             graphdef, cfg: TrainConfig) -> Batch:
-  """Advantages, pi_old (recomputed or the sampler's) and pi_ref (when ref_params is given)."""
+  """Advantages, pi_old (recomputed or the sampler's), pi_ref (when ref_params is given) and,
+  when `cfg.routing` is not "free", pi_old's expert choices (from the teacher-forced pass:
+  what the trainer's pi_old routes, also when its log-probs are the sampler's)."""
   prompts, lens, tokens, mask, sampler_logp = flatten_rollout(prompts_BxP, lens_B, rollout)
   adv = group_advantages(rewards_BxG).reshape(-1)
   temp = cfg.rollout.temperature
-  if cfg.old_logp == "recompute":
-    old = score_logprobs(params, graphdef, prompts, lens, tokens, temp)
-  else:
-    old = sampler_logp
+  old, experts = sampler_logp, None
+  if cfg.old_logp == "recompute" or cfg.routing != "free":
+    recomputed, router = teacher_forced(params, graphdef, prompts, lens, tokens, temp)
+    old = recomputed if cfg.old_logp == "recompute" else old
+    experts = None if cfg.routing == "free" else router.indices
   ref = None if ref_params is None else score_logprobs(ref_params, graphdef, prompts, lens,
                                                        tokens, temp)
-  return Batch(prompts, lens, tokens, mask, old * mask, adv, ref)
+  return Batch(prompts, lens, tokens, mask, old * mask, adv, ref, experts)
 
 
 # ------------------------------------------------------------------------------ programs
@@ -259,13 +310,16 @@ class Layout:
     return sharding.replicated(self.mesh)
 
 
-def make_layout(params, tx, mesh: Mesh, with_ref: bool) -> Layout:
+def make_layout(params, tx, mesh: Mesh, with_ref: bool, moe_layers: int = 0) -> Layout:
+  """`moe_layers`: how many expert-choice arrays the batch carries (0 unless routing is
+  tracked or replayed)."""
   ps = sharding.param_shardings(params, mesh)
   rep, rows = sharding.replicated(mesh), functools.partial(sharding.batch_sharding, mesh)
   state = TrainState(params=ps, opt_state=sharding.optimizer_shardings(tx, params, ps, mesh),
                      step=rep, key=rep)
   batch = Batch(rows(2), rows(1), rows(2), rows(2), rows(2), rows(1),
-                rows(2) if with_ref else None)
+                rows(2) if with_ref else None,
+                tuple(rows(3) for _ in range(moe_layers)) if moe_layers else None)
   rollout = sampling.Rollout(rows(3), rows(3), rows(3), rows(3), rows(2), rows(2), rows(2), rep)
   return Layout(mesh, state, batch, rollout)
 
@@ -297,6 +351,10 @@ def make_programs(graphdef, tx, cfg: TrainConfig, layout: Layout) -> Programs:
           functools.partial(update, graphdef=graphdef, tx=tx, cfg=cfg, mesh=layout.mesh),
           in_shardings=(layout.state, layout.batch), out_shardings=(layout.state, rep),
           donate_argnums=(0,)))
+
+
+def batch_moe_layers(cfg: TrainConfig) -> int:
+  return 0 if cfg.routing == "free" else cfg.model.num_moe_layers
 
 
 def check_layout(cfg: TrainConfig, mesh: Mesh) -> None:
@@ -405,7 +463,7 @@ def rollout_step(run: "Run", state: TrainState, ref_params=None):
   prompts_l, lens_l = encode_prompts(tok, examples, cfg.rollout.max_prompt_len)
   prompts, lens = feed(prompts_l, mesh, B), feed(lens_l, mesh, B)
   t0 = time.perf_counter()
-  model = nnx.merge(run.graphdef, state.params)
+  model = sampler_policy(run.graphdef, state.params, cfg.model, cfg.rollout.sampler_dtype)
   rollout = jax.block_until_ready(sampling.sample_groups(
       model, prompts, lens, jax.random.fold_in(state.key, 2 * it), sampler_config(tok, cfg),
       mesh=mesh))
@@ -434,6 +492,23 @@ def rollout_step(run: "Run", state: TrainState, ref_params=None):
   return batch, stats
 
 
+@functools.lru_cache(maxsize=8)
+def _graphdef_with_dtype(model_cfg: ModelConfig, dtype: str):
+  from gspo_jax.models.transformer import Transformer
+  cfg = dataclasses.replace(model_cfg, dtype=dtype, param_dtype=dtype)
+  return nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))[0]
+
+
+def sampler_policy(graphdef, params, model_cfg: ModelConfig, dtype: str = ""):
+  """The policy the sampler runs: `params` as they are, or (dtype given) a copy with
+  parameters and activations cast to `dtype` -- an inference engine in bfloat16 next to a
+  float32 trainer. The trainer's parameters are not touched."""
+  if not dtype or (dtype == model_cfg.dtype and dtype == model_cfg.param_dtype):
+    return nnx.merge(graphdef, params)
+  cast = jax.tree.map(lambda x: x.astype(dtype), params)
+  return nnx.merge(_graphdef_with_dtype(model_cfg, dtype), cast)
+
+
 def sampler_config(tok, cfg: TrainConfig) -> sampling.SamplerConfig:
   r = cfg.rollout
   return sampling.SamplerConfig(group_size=r.group_size, max_new_tokens=r.max_new_tokens,
@@ -455,7 +530,9 @@ class Run:
 
   def reconfigure(self, cfg: TrainConfig) -> "Run":
     """The same run and state with other loss settings (the programs are rebuilt)."""
-    layout = make_layout(self.state.params, self.tx, self.layout.mesh, bool(cfg.kl_coef))
+    check_routing(cfg)
+    layout = make_layout(self.state.params, self.tx, self.layout.mesh, bool(cfg.kl_coef),
+                         batch_moe_layers(cfg))
     return dataclasses.replace(self, cfg=cfg, layout=layout,
                                programs=make_programs(self.graphdef, self.tx, cfg, layout))
 
@@ -474,6 +551,7 @@ def setup(cfg: TrainConfig, run_dir: str) -> Run:
     tok = load_tokenizer(cfg.pretrained)
     model = hf.load(cfg.pretrained, mesh=mesh, param_dtype=cfg.pretrained_dtype or None)
     cfg = dataclasses.replace(cfg, model=model.cfg)
+    check_routing(cfg)
   else:
     tok = make_tokenizer(task, cfg, run_dir)
     model = sharding.init_sharded(Transformer, cfg.model, mesh, cfg.seed)
@@ -481,7 +559,7 @@ def setup(cfg: TrainConfig, run_dir: str) -> Run:
     raise ValueError(f"tokenizer has {tok.vocab_size} ids > model.vocab_size={cfg.model.vocab_size}")
   tx = make_optimizer(cfg.optim)
   graphdef, params = nnx.split(model, nnx.Param)
-  layout = make_layout(params, tx, mesh, bool(cfg.kl_coef))
+  layout = make_layout(params, tx, mesh, bool(cfg.kl_coef), batch_moe_layers(cfg))
   programs = make_programs(graphdef, tx, cfg, layout)
   return Run(cfg, task, tok, graphdef, programs.init(params), tx, layout, programs)
 
