@@ -59,3 +59,27 @@ def test_moe_routing_quick(tmp_path):
   for result in summary.values():
     assert 0 <= result["changed_fraction"] <= 1 and len(result["changed_per_layer"]) == 2
   assert (tmp_path / "summary.json").exists()
+
+
+@pytest.mark.slow
+def test_routing_replay_quick(tmp_path):
+  # Two of the three variants (gspo_free runs the same code path as grpo_free).
+  summary = load("routing_replay").main(["--quick", "--seeds", "0", "--iterations", "2",
+                                         "--variants", "grpo_free", "grpo_replay",
+                                         "--out", str(tmp_path)])
+  assert set(summary) == {"grpo_free", "grpo_replay"} and finite(summary)
+  for name in ("reward.png", "routing_changed.png", "clip_fraction.png", "ratio_range.png"):
+    assert (tmp_path / name).stat().st_size > 0, name
+  # Free routing is tracked, replayed routing cannot change (and is not logged).
+  assert 0 <= summary["grpo_free"]["routing_changed_mean"][0] <= 1
+  assert summary["grpo_replay"]["routing_changed_mean"] == [None]
+
+
+@pytest.mark.slow
+def test_precision_training_quick(tmp_path):
+  # The one variant whose code path experiment 1's test does not run: bf16 sampler as pi_old.
+  summary = load("precision_training").main(["--quick", "--iterations", "2", "--variants",
+                                             "gspo_sampler", "--out", str(tmp_path)])
+  assert set(summary) == {"gspo_sampler"} and finite(summary)
+  assert summary["gspo_sampler"]["iterations"] == 2
+  assert (tmp_path / "clip_fraction.png").stat().st_size > 0

@@ -1,0 +1,103 @@
+"""What the training experiments share: run one (variant, seed), load finished runs, summarise
+and plot their metrics. A run directory is <out>/runs/<variant>_seed<k>/ (metrics.jsonl,
+summary.json); one whose summary.json is missing was interrupted and starts again."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+
+from experiments import _plots
+from gspo_jax import train as T
+
+PHASES = ("time_sample", "time_score", "time_old_logp", "time_update")
+COLOURS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")
+
+
+def run_one(out: str, name: str, seed: int, cfg: T.TrainConfig) -> str:
+  run_dir = os.path.join(out, "runs", f"{name}_seed{seed}")
+  if os.path.exists(os.path.join(run_dir, "summary.json")):
+    print(f"{run_dir}: done already")
+    return run_dir
+  if os.path.isdir(run_dir):
+    shutil.rmtree(run_dir)
+  summary = T.train(cfg, run_dir, progress=False, checkpoint_every=0, keep=1)
+  with open(os.path.join(run_dir, "summary.json"), "w") as f:
+    json.dump({k: v for k, v in summary.items() if k != "last"}, f, indent=2)
+  return run_dir
+
+
+def load_runs(out: str) -> dict[str, list[dict]]:
+  """variant -> [{seed, rows (metrics.jsonl), summary}] for every finished run."""
+  runs: dict[str, list[dict]] = {}
+  base = os.path.join(out, "runs")
+  for name in sorted(os.listdir(base)) if os.path.isdir(base) else []:
+    path = os.path.join(base, name)
+    if not os.path.exists(os.path.join(path, "summary.json")):
+      continue
+    variant, seed = name.rsplit("_seed", 1)
+    rows = [json.loads(l) for l in open(os.path.join(path, "metrics.jsonl"))]
+    summary = json.load(open(os.path.join(path, "summary.json")))
+    runs.setdefault(variant, []).append({"seed": int(seed), "rows": rows, "summary": summary})
+  return runs
+
+
+def curve(rows, key):
+  pts = [(r["step"], r[key]) for r in rows if key in r]
+  return np.array([p[0] for p in pts]), np.array([p[1] for p in pts], float)
+
+
+def summarise(items: list[dict], mean_keys=("clip_frac_token", "clip_frac_seq")) -> dict:
+  """Per seed: held-out start/end, training reward over the last 50 iterations, the mean of
+  `mean_keys` over training, training seconds."""
+  last = lambda key, n=50: [float(np.mean([r[key] for r in it["rows"][-n:]])) for it in items]
+  start = [it["summary"]["heldout_accuracy_start"] for it in items]
+  end = [it["summary"]["heldout_accuracy_end"] for it in items]
+  out = {"seeds": [it["seed"] for it in items], "iterations": len(items[0]["rows"]),
+         "heldout_start": start, "heldout_end": end,
+         "heldout_gain_mean": float(np.mean(np.subtract(end, start))),
+         "heldout_gain_std": float(np.std(np.subtract(end, start))),
+         "reward_last50": last("reward_mean"),
+         "train_seconds": [float(sum(sum(r[p] for p in PHASES) for r in it["rows"]))
+                           for it in items]}
+  for key in mean_keys:  # None: the metric was not logged (e.g. routing_changed under replay)
+    vals = [[r[key] for r in it["rows"] if key in r] for it in items]
+    out[f"{key}_mean"] = [float(np.mean(v)) if v else None for v in vals]
+  return out
+
+
+def plot_curves(runs: dict[str, list[dict]], out: str, name: str, key: str, ylabel: str, *,
+                colours: dict[str, str] | None = None, smooth: int = 1, x: str = "step",
+                log: bool = False, floor: float = 0.0) -> str:
+  """One line per (variant, seed) of metric `key`, one colour per variant, optionally a
+  running mean over `smooth` iterations, against iteration or (x="time") training seconds."""
+  colours = colours or {v: COLOURS[i % len(COLOURS)] for i, v in enumerate(sorted(runs))}
+  fig, ax = _plots.figure()
+  for variant, items in sorted(runs.items()):
+    for i, it in enumerate(items):
+      steps, ys = curve(it["rows"], key)
+      if not len(ys):
+        continue
+      if smooth > 1 and len(ys) >= smooth:
+        ys = np.convolve(ys, np.ones(smooth) / smooth, mode="valid")
+        steps = steps[smooth - 1:]
+      xs = steps
+      if x == "time":
+        xs = np.cumsum([sum(r[p] for p in PHASES) for r in it["rows"]])[steps - 1]
+      ax.plot(xs, np.maximum(ys, floor) if floor else ys, color=colours.get(variant), alpha=0.8,
+              label=variant.upper().replace("_", " ") if i == 0 else None)
+  if log:
+    ax.set_yscale("log")
+  ax.set_xlabel("training seconds (sample+score+old log-probs+update)" if x == "time" else
+                "iteration")
+  ax.set_ylabel(ylabel)
+  return _plots.save(fig, ax, out, name)
+
+
+def write_summary(out: str, summary: dict) -> None:
+  with open(os.path.join(out, "summary.json"), "w") as f:
+    json.dump(summary, f, indent=2)
+  print(json.dumps(summary, indent=2))

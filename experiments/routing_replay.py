@@ -1,0 +1,112 @@
+"""Experiment 3 of the paper (second part): training an MoE policy with and without Routing
+Replay.
+
+The paper (section 5.3): after each update ~10% of a 48-layer MoE's activated experts change,
+so GRPO's per-token ratios swing and GRPO only converges with Routing Replay (pi_theta's
+forward reuses the experts pi_old chose); GSPO's sequence ratio does not need it. Three
+variants, same tiny MoE, task, data and seeds:
+
+  grpo_free:   GRPO, routing free (tracked: `routing_changed` is logged, nothing replayed)
+  grpo_replay: GRPO with Routing Replay
+  gspo_free:   GSPO, routing free (tracked)
+
+    python experiments/routing_replay.py --quick                 # a few minutes on 2 CPU cores
+    python experiments/routing_replay.py --seeds 0 1             # full
+    python experiments/routing_replay.py --plot-only
+
+Writes under --out: runs/<variant>_seed<k>/, summary.json, reward.png, heldout.png,
+routing_changed.png, clip_fraction.png, ratio_range.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from experiments import _runs  # noqa: E402
+from gspo_jax import configlib  # noqa: E402
+from gspo_jax import train as T  # noqa: E402
+from gspo_jax.models.config import tiny_moe  # noqa: E402
+
+CLIP = {"gspo": (3e-4, 4e-4), "grpo": (0.2, 0.27)}
+VARIANTS = {"grpo_free": ("grpo", "track"), "grpo_replay": ("grpo", "replay"),
+            "gspo_free": ("gspo", "track")}
+COLOURS = {"grpo_free": "tab:orange", "grpo_replay": "tab:red", "gspo_free": "tab:blue"}
+
+
+def config(variant: str, seed: int, quick: bool, iterations: int | None, lr: float
+           ) -> T.TrainConfig:
+  """configs/addition_tiny.py with a Mixture-of-Experts model (8 experts, top-2, every layer)."""
+  loss, routing = VARIANTS[variant]
+  cfg = configlib.load_config(os.path.join(ROOT, "configs", "addition_tiny.py"))
+  cfg = dataclasses.replace(
+      cfg, model=tiny_moe(vocab_size=32, hidden=128, num_experts=8, experts_per_token=2,
+                          moe_mlp_dim=64, num_heads=4, num_kv_heads=2, head_dim=32),
+      optim=dataclasses.replace(cfg.optim, learning_rate=lr),
+      loss=loss, eps_low=CLIP[loss][0], eps_high=CLIP[loss][1], routing=routing, seed=seed)
+  if quick:
+    cfg = dataclasses.replace(
+        cfg, rollout=dataclasses.replace(cfg.rollout, prompts_per_iter=16),
+        sft=dataclasses.replace(cfg.sft, steps=60, target_accuracy=0.0, batch_size=64),
+        iterations=6, eval_every=3, eval_size=64)
+  return dataclasses.replace(cfg, iterations=iterations) if iterations else cfg
+
+
+def summarise(runs) -> dict:
+  keys = ("clip_frac_token", "clip_frac_seq", "routing_changed", "ratio_max", "ratio_min",
+          "skipped_updates")
+  out = {v: _runs.summarise(items, mean_keys=keys) for v, items in runs.items()}
+  for v, items in runs.items():  # the extremes over training, per seed
+    out[v]["ratio_max_max"] = [max(r["ratio_max"] for r in it["rows"]) for it in items]
+    out[v]["ratio_min_min"] = [min(r["ratio_min"] for r in it["rows"]) for it in items]
+  return out
+
+
+def plot(runs, out: str) -> list[str]:
+  c = {"colours": COLOURS}
+  return [
+      _runs.plot_curves(runs, out, "reward.png", "reward_mean",
+                        "training reward (mean of 20 iterations)", smooth=20, **c),
+      _runs.plot_curves(runs, out, "heldout.png", "heldout_accuracy", "held-out greedy accuracy",
+                        **c),
+      _runs.plot_curves(runs, out, "routing_changed.png", "routing_changed",
+                        "expert sets changed vs pi_old (mean over minibatches)", smooth=10, **c),
+      _runs.plot_curves(runs, out, "clip_fraction.png", "clip_frac_token",
+                        "fraction of tokens clipped (floored at 1e-5)", log=True, floor=1e-5,
+                        **c),
+      _runs.plot_curves(runs, out, "ratio_range.png", "ratio_max",
+                        "largest importance ratio in the update", log=True, **c)]
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--quick", action="store_true", help="tiny sizes, 6 iterations")
+  parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+  parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+  parser.add_argument("--iterations", type=int, default=None, help="override the config's")
+  parser.add_argument("--lr", type=float, default=3e-4)
+  parser.add_argument("--plot-only", action="store_true", help="only summarise finished runs")
+  parser.add_argument("--out", default=None,
+                      help="default: experiments/results/routing_replay[_quick]")
+  args = parser.parse_args(argv)
+  out = args.out or os.path.join(ROOT, "experiments", "results",
+                                 "routing_replay_quick" if args.quick else "routing_replay")
+  os.makedirs(out, exist_ok=True)
+  if not args.plot_only:
+    for seed in args.seeds:
+      for v in args.variants:
+        _runs.run_one(out, v, seed, config(v, seed, args.quick, args.iterations, args.lr))
+  runs = _runs.load_runs(out)
+  summary = summarise(runs)
+  _runs.write_summary(out, summary)
+  print("wrote", os.path.join(out, "summary.json"), *plot(runs, out))
+  return summary
+
+
+if __name__ == "__main__":
+  main()
