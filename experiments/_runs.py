@@ -4,6 +4,7 @@ summary.json); one whose summary.json is missing was interrupted and starts agai
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -17,6 +18,22 @@ PHASES = ("time_sample", "time_score", "time_old_logp", "time_update")
 COLOURS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")
 
 
+def cold_start(out: str, seed: int, cfg: T.TrainConfig) -> str:
+  """The cold-started policy of `seed`, made once per experiment directory and shared by its
+  variants (which must differ only in RL settings): a run of 0 RL iterations whose step-0
+  checkpoint (with its tokenizer) each variant resumes from. The cold start is deterministic
+  per seed, so this equals cold-starting every variant, once instead of once per variant."""
+  run_dir = os.path.join(out, "runs", f"coldstart_seed{seed}")
+  done = os.path.join(run_dir, "done")
+  if not os.path.exists(done):
+    if os.path.isdir(run_dir):
+      shutil.rmtree(run_dir)
+    T.train(dataclasses.replace(cfg, iterations=0), run_dir, progress=False, checkpoint_every=0,
+            keep=1)
+    open(done, "w").close()
+  return run_dir
+
+
 def run_one(out: str, name: str, seed: int, cfg: T.TrainConfig) -> str:
   run_dir = os.path.join(out, "runs", f"{name}_seed{seed}")
   if os.path.exists(os.path.join(run_dir, "summary.json")):
@@ -24,7 +41,11 @@ def run_one(out: str, name: str, seed: int, cfg: T.TrainConfig) -> str:
     return run_dir
   if os.path.isdir(run_dir):
     shutil.rmtree(run_dir)
-  summary = T.train(cfg, run_dir, progress=False, checkpoint_every=0, keep=1)
+  start = cold_start(out, seed, cfg)
+  os.makedirs(run_dir)
+  shutil.copytree(os.path.join(start, "checkpoints"), os.path.join(run_dir, "checkpoints"))
+  shutil.copy(os.path.join(start, "tokenizer.model"), run_dir)
+  summary = T.train(cfg, run_dir, resume=True, progress=False, checkpoint_every=0, keep=1)
   with open(os.path.join(run_dir, "summary.json"), "w") as f:
     json.dump({k: v for k, v in summary.items() if k != "last"}, f, indent=2)
   return run_dir
