@@ -122,3 +122,47 @@ def write_summary(out: str, summary: dict) -> None:
   with open(os.path.join(out, "summary.json"), "w") as f:
     json.dump(summary, f, indent=2)
   print(json.dumps(summary, indent=2))
+
+
+def standard_plots(runs, out: str, colours: dict[str, str]) -> list[str]:
+  """reward.png (20-iteration running mean), heldout.png, clip_fraction.png (log scale)."""
+  c = {"colours": colours}
+  return [
+      plot_curves(runs, out, "reward.png", "reward_mean", "training reward (mean of 20 iterations)",
+                  smooth=20, **c),
+      plot_curves(runs, out, "heldout.png", "heldout_accuracy", "held-out greedy accuracy", **c),
+      plot_curves(runs, out, "clip_fraction.png", "clip_frac_token",
+                  "fraction of tokens clipped (floored at 1e-5)", log=True, floor=1e-5, **c)]
+
+
+def main(argv, *, doc: str, name: str, variants, config, summarise, plot, seeds=(0,),
+         flag: str = "--variants", add_args=None) -> dict:
+  """The command line every training experiment shares: run each (seed, variant) not yet
+  finished, then summarise and plot whatever is finished under
+  experiments/results/<name>[_quick] (or --out). `config(variant, seed, args)` builds the
+  TrainConfig; `add_args(parser)` adds the experiment's own flags."""
+  import argparse
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+  parser.add_argument("--quick", action="store_true", help="tiny sizes, 6 iterations")
+  parser.add_argument(flag, dest="variants", nargs="+", default=list(variants),
+                      choices=list(variants))
+  parser.add_argument("--seeds", nargs="+", type=int, default=list(seeds))
+  parser.add_argument("--iterations", type=int, default=None, help="override the config's")
+  parser.add_argument("--plot-only", action="store_true", help="only summarise finished runs")
+  parser.add_argument("--out", default=None, help=f"default: experiments/results/{name}[_quick]")
+  if add_args:
+    add_args(parser)
+  args = parser.parse_args(argv)
+  out = args.out or os.path.join(root, "experiments", "results",
+                                 f"{name}_quick" if args.quick else name)
+  os.makedirs(out, exist_ok=True)
+  if not args.plot_only:
+    for seed in args.seeds:
+      for v in args.variants:
+        run_one(out, v, seed, config(v, seed, args))
+  runs = load_runs(out)
+  summary = summarise(runs)
+  write_summary(out, summary)
+  print("wrote", os.path.join(out, "summary.json"), *plot(runs, out))
+  return summary

@@ -15,7 +15,6 @@ reward.png, heldout.png, reward_vs_time.png, clip_fraction.png.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import sys
@@ -55,41 +54,16 @@ def summarise(runs: dict[str, list[dict]]) -> dict:
 
 
 def plot(runs: dict[str, list[dict]], out: str) -> list[str]:
-  c = {"colours": {"gspo": "tab:blue", "grpo": "tab:orange"}}
-  smoothed = "training reward (mean of 20 iterations)"
-  return [
-      _runs.plot_curves(runs, out, "reward.png", "reward_mean", smoothed, smooth=20, **c),
-      _runs.plot_curves(runs, out, "reward_vs_time.png", "reward_mean", smoothed, smooth=20,
-                        x="time", **c),
-      _runs.plot_curves(runs, out, "heldout.png", "heldout_accuracy", "held-out greedy accuracy",
-                        **c),
-      _runs.plot_curves(runs, out, "clip_fraction.png", "clip_frac_token",
-                        "fraction of tokens clipped (floored at 1e-5)", log=True, floor=1e-5, **c)]
+  colours = {"gspo": "tab:blue", "grpo": "tab:orange"}
+  return _runs.standard_plots(runs, out, colours) + [_runs.plot_curves(
+      runs, out, "reward_vs_time.png", "reward_mean", "training reward (mean of 20 iterations)",
+      smooth=20, x="time", colours=colours)]
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--quick", action="store_true", help="tiny sizes, 6 iterations")
-  parser.add_argument("--losses", nargs="+", default=["gspo", "grpo"], choices=sorted(CLIP))
-  parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-  parser.add_argument("--iterations", type=int, default=None, help="override the config's")
-  parser.add_argument("--plot-only", action="store_true", help="only summarise finished runs")
-  parser.add_argument("--out", default=None,
-                      help="default: experiments/results/gspo_vs_grpo[_quick]")
-  args = parser.parse_args(argv)
-  out = args.out or os.path.join(ROOT, "experiments", "results",
-                                 "gspo_vs_grpo_quick" if args.quick else "gspo_vs_grpo")
-  os.makedirs(out, exist_ok=True)
-  if not args.plot_only:
-    for seed in args.seeds:
-      for loss in args.losses:
-        _runs.run_one(out, loss, seed, config(loss, seed, args.quick, args.iterations))
-  runs = _runs.load_runs(out)
-  summary = summarise(runs)
-  _runs.write_summary(out, summary)
-  files = plot(runs, out)
-  print("wrote", os.path.join(out, "summary.json"), *files)
-  return summary
+  return _runs.main(argv, doc=__doc__, name="gspo_vs_grpo", variants=CLIP, seeds=(0, 1, 2),
+                    flag="--losses", summarise=summarise, plot=plot,
+                    config=lambda loss, seed, a: config(loss, seed, a.quick, a.iterations))
 
 
 if __name__ == "__main__":

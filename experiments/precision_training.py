@@ -19,7 +19,6 @@ clip_fraction.png.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import sys
@@ -44,41 +43,12 @@ def config(variant: str, seed: int, quick: bool, iterations: int | None) -> T.Tr
       cfg.rollout, sampler_dtype="bfloat16"))
 
 
-def plot(runs, out: str) -> list[str]:
-  c = {"colours": COLOURS}
-  return [
-      _runs.plot_curves(runs, out, "reward.png", "reward_mean",
-                        "training reward (mean of 20 iterations)", smooth=20, **c),
-      _runs.plot_curves(runs, out, "heldout.png", "heldout_accuracy", "held-out greedy accuracy",
-                        **c),
-      _runs.plot_curves(runs, out, "clip_fraction.png", "clip_frac_token",
-                        "fraction of tokens clipped (floored at 1e-5)", log=True, floor=1e-5,
-                        **c)]
-
-
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--quick", action="store_true", help="tiny sizes, 6 iterations")
-  parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-  parser.add_argument("--seeds", nargs="+", type=int, default=[0])
-  parser.add_argument("--iterations", type=int, default=None, help="override the config's")
-  parser.add_argument("--plot-only", action="store_true", help="only summarise finished runs")
-  parser.add_argument("--out", default=None,
-                      help="default: experiments/results/precision_training[_quick]")
-  args = parser.parse_args(argv)
-  out = args.out or os.path.join(ROOT, "experiments", "results",
-                                 "precision_training_quick" if args.quick else
-                                 "precision_training")
-  os.makedirs(out, exist_ok=True)
-  if not args.plot_only:
-    for seed in args.seeds:
-      for v in args.variants:
-        _runs.run_one(out, v, seed, config(v, seed, args.quick, args.iterations))
-  runs = _runs.load_runs(out)
-  summary = {v: _runs.summarise(items) for v, items in runs.items()}
-  _runs.write_summary(out, summary)
-  print("wrote", os.path.join(out, "summary.json"), *plot(runs, out))
-  return summary
+  return _runs.main(
+      argv, doc=__doc__, name="precision_training", variants=VARIANTS,
+      config=lambda v, seed, a: config(v, seed, a.quick, a.iterations),
+      summarise=lambda runs: {v: _runs.summarise(items) for v, items in runs.items()},
+      plot=lambda runs, out: _runs.standard_plots(runs, out, COLOURS))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ routing_changed.png, clip_fraction.png, ratio_range.png.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import sys
@@ -68,44 +67,20 @@ def summarise(runs) -> dict:
 
 
 def plot(runs, out: str) -> list[str]:
-  c = {"colours": COLOURS}
-  return [
-      _runs.plot_curves(runs, out, "reward.png", "reward_mean",
-                        "training reward (mean of 20 iterations)", smooth=20, **c),
-      _runs.plot_curves(runs, out, "heldout.png", "heldout_accuracy", "held-out greedy accuracy",
-                        **c),
+  return _runs.standard_plots(runs, out, COLOURS) + [
       _runs.plot_curves(runs, out, "routing_changed.png", "routing_changed",
-                        "expert sets changed vs pi_old (mean over minibatches)", smooth=10, **c),
-      _runs.plot_curves(runs, out, "clip_fraction.png", "clip_frac_token",
-                        "fraction of tokens clipped (floored at 1e-5)", log=True, floor=1e-5,
-                        **c),
+                        "expert sets changed vs pi_old (mean over minibatches)", smooth=10,
+                        colours=COLOURS),
       _runs.plot_curves(runs, out, "ratio_range.png", "ratio_max",
-                        "largest importance ratio in the update", log=True, **c)]
+                        "largest importance ratio in the update", log=True, colours=COLOURS)]
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--quick", action="store_true", help="tiny sizes, 6 iterations")
-  parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-  parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
-  parser.add_argument("--iterations", type=int, default=None, help="override the config's")
-  parser.add_argument("--lr", type=float, default=3e-4)
-  parser.add_argument("--plot-only", action="store_true", help="only summarise finished runs")
-  parser.add_argument("--out", default=None,
-                      help="default: experiments/results/routing_replay[_quick]")
-  args = parser.parse_args(argv)
-  out = args.out or os.path.join(ROOT, "experiments", "results",
-                                 "routing_replay_quick" if args.quick else "routing_replay")
-  os.makedirs(out, exist_ok=True)
-  if not args.plot_only:
-    for seed in args.seeds:
-      for v in args.variants:
-        _runs.run_one(out, v, seed, config(v, seed, args.quick, args.iterations, args.lr))
-  runs = _runs.load_runs(out)
-  summary = summarise(runs)
-  _runs.write_summary(out, summary)
-  print("wrote", os.path.join(out, "summary.json"), *plot(runs, out))
-  return summary
+  return _runs.main(
+      argv, doc=__doc__, name="routing_replay", variants=VARIANTS, seeds=(0, 1),
+      config=lambda v, seed, a: config(v, seed, a.quick, a.iterations, a.lr),
+      summarise=summarise, plot=plot,
+      add_args=lambda p: p.add_argument("--lr", type=float, default=3e-4))
 
 
 if __name__ == "__main__":
