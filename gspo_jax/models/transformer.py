@@ -214,9 +214,20 @@ class Transformer(nnx.Module):
 
     if self.cfg.scan_layers:
       graphdef, params = nnx.split(self.layers)
-      x, (new_k, new_v) = jax.lax.scan(
-          lambda x, xs: layer_fn(graphdef, xs[0], x, *xs[1:]), x,
-          (params, cache.k, cache.v, cache.prefix_k, cache.prefix_v))
+
+      def body(carry, xs):
+        # The response caches ride in the carry and only the new token is written back (in
+        # place); as scan outputs they would be copied whole at every decode step.
+        x, k_all, v_all, i = carry
+        x, (k_i, v_i) = layer_fn(graphdef, xs[0], x, k_all[i], v_all[i], *xs[1:])
+        write = lambda buf, new: jax.lax.dynamic_update_slice(
+            buf, jax.lax.dynamic_slice_in_dim(new, cache.index, 1, 2)[None],
+            (i, 0, 0, cache.index, 0, 0))
+        return (x, write(k_all, k_i), write(v_all, v_i), i + 1), None
+
+      (x, new_k, new_v, _), _ = jax.lax.scan(
+          body, (x, cache.k, cache.v, jnp.zeros((), jnp.int32)),
+          (params, cache.prefix_k, cache.prefix_v))
     else:
       new_k, new_v = [], []
       for i, layer in enumerate(self.layers):
