@@ -158,7 +158,8 @@ def bench_sampler(args) -> dict:
   from gspo_jax.models import config, transformer
 
   mcfg = config.tiny(vocab_size=args.vocab, hidden=args.width, num_layers=args.layers,
-                     mlp_dim=4 * args.width, num_heads=4, num_kv_heads=2, head_dim=args.width // 4)
+                     mlp_dim=4 * args.width, num_heads=4, num_kv_heads=2, head_dim=args.width // 4,
+                     scan_layers=args.scan)
   model = transformer.create(mcfg)
   B, P, G, T = args.prompts, args.prompt_len, args.group, args.new_tokens
   rng = np.random.default_rng(0)
@@ -279,42 +280,53 @@ def _update_program(mcfg, rows: int, prompt_len: int, new_tokens: int):
 
 
 def bench_train(args) -> dict:
-  peak = bench_peak(args)["peak_gflops"]
-  out = {"peak_gflops": peak, "rows": args.rows, "P": args.prompt_len, "T": args.new_tokens}
+  """Update-step time and MFU. The machine is shared, so besides the peak sweep, each timed
+  step is paired with a matmul timed just before it at the sweep's best size: the median of
+  the per-pair ratios ("MFU, paired") compares the two under the same load."""
+  peak = bench_peak(args)
+  n = max(peak["rows"], key=lambda r: r["gflops"])["n"]
+  a = jnp.ones((n, n), jnp.float32)
+  matmul = jax.jit(jnp.dot)
+  out = {"peak_gflops": peak["peak_gflops"], "peak": peak, "paired_matmul_n": n,
+         "rows": args.rows, "P": args.prompt_len, "T": args.new_tokens}
   for remat in args.remat:
-    mcfg = _bench_model(args)
-    if remat != "none":
-      mcfg = dataclasses.replace(mcfg, remat=remat)
+    mcfg = dataclasses.replace(_bench_model(args), remat=remat)
     flops = update_flops(mcfg, args.rows, args.prompt_len, args.new_tokens)
     step, state, batch = _update_program(mcfg, args.rows, args.prompt_len, args.new_tokens)
     t0 = time.perf_counter()
     compiled = step.lower(state, batch).compile()
     compile_s = time.perf_counter() - t0
-    times = []
-    for _ in range(args.repeats + 1):  # the first call warms up
+    state, metrics = compiled(state, batch)  # warm-up
+    times, paired = [], []
+    for _ in range(args.repeats):
+      peak_now = 2 * n**3 / timed(matmul, a, a, repeats=3) / 1e9
       t0 = time.perf_counter()
       state, metrics = compiled(state, batch)
       jax.block_until_ready(metrics)
       times.append(time.perf_counter() - t0)
-    sec = statistics.median(times[1:])
+      paired.append(flops["step"] / times[-1] / 1e9 / peak_now)
+    sec = statistics.median(times)
     gflops = flops["step"] / sec / 1e9
     out.setdefault("model", dataclasses.asdict(mcfg))
     out.setdefault("flops", flops)
     out[f"remat_{remat}"] = {
         "seconds": sec, "all_seconds": times, "compile_seconds": compile_s,
         "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
-        "model_gflops_per_s": gflops, "mfu": gflops / peak,
+        "model_gflops_per_s": gflops, "mfu": gflops / out["peak_gflops"],
+        "mfu_paired": statistics.median(paired), "all_mfu_paired": paired,
         "loss_finite": bool(np.isfinite(float(metrics["loss"])))}
   print(f"train: {flops['matmul_params'] / 1e6:.1f}M matmul params (hidden {args.width}, "
         f"{args.layers} layers, vocab {args.vocab}); update step on {args.rows} rows x "
         f"({args.prompt_len} prompt + {args.new_tokens} response) tokens = "
         f"{flops['step'] / 1e9:.0f} GFLOP (attention {flops['attention_share']:.0%} of forward)")
-  print(f"{'remat':6} {'step s':>8} {'GFLOP/s':>9} {'MFU':>6} {'temp MiB':>9} {'compile s':>10}")
+  print(f"{'remat':6} {'step s':>8} {'GFLOP/s':>9} {'MFU':>6} {'paired':>7} {'temp MiB':>9} "
+        f"{'compile s':>10}")
   for remat in args.remat:
     r = out[f"remat_{remat}"]
     print(f"{remat:6} {r['seconds']:8.3f} {r['model_gflops_per_s']:9.1f} {r['mfu']:6.1%} "
-          f"{r['temp_bytes'] / 2**20:9.1f} {r['compile_seconds']:10.2f}")
-  print(f"MFU = model FLOP/s / peak matmul FLOP/s measured above ({peak:.1f} GFLOP/s)")
+          f"{r['mfu_paired']:7.1%} {r['temp_bytes'] / 2**20:9.1f} {r['compile_seconds']:10.2f}")
+  print(f"MFU = model FLOP/s / the best matmul FLOP/s measured above "
+        f"({out['peak_gflops']:.1f} GFLOP/s); paired: against a {n}x{n} matmul timed before each step")
   return out
 
 
@@ -415,27 +427,29 @@ def bench_compile(args) -> dict:
                                 [(s, n, False) for s in args.modes for n in args.layers]):
     mcfg = _bench_model(argparse.Namespace(**{**vars(args), "layers": layers,
                                               "scan": scan == "scan"}))
-    step, state, batch = _update_program(mcfg, R, P, T)
-    lower_s, compile_s = _compile_seconds(step, state, batch)
-    graphdef, params = nnx.split(transformer.create(mcfg))
-    program = sampling.sampler_program(graphdef, params, scfg)
-    s_lower_s, s_compile_s = _compile_seconds(program, params, prompts, lens, jax.random.key(0))
+    row = {"mode": scan, "layers": layers}
+    if "update" in args.programs:
+      step, state, batch = _update_program(mcfg, R, P, T)
+      row["update_lower_seconds"], row["update_compile_seconds"] = _compile_seconds(
+          step, state, batch)
+    if "sampler" in args.programs:
+      graphdef, params = nnx.split(transformer.create(mcfg))
+      program = sampling.sampler_program(graphdef, params, scfg)
+      row["sampler_lower_seconds"], row["sampler_compile_seconds"] = _compile_seconds(
+          program, params, prompts, lens, jax.random.key(0))
     if warm_up:
       continue
-    rows.append({"mode": scan, "layers": layers, "update_lower_seconds": lower_s,
-                 "update_compile_seconds": compile_s, "sampler_lower_seconds": s_lower_s,
-                 "sampler_compile_seconds": s_compile_s})
-    print(f"{scan:8} {layers:3d} layers: update lower {lower_s:6.2f} s compile {compile_s:6.2f} s"
-          f" | sampler lower {s_lower_s:6.2f} s compile {s_compile_s:6.2f} s", flush=True)
+    rows.append(row)
+    print(f"{scan:8} {layers:3d} layers: " + " | ".join(
+        f"{p} lower {row[p + '_lower_seconds']:6.2f} s compile {row[p + '_compile_seconds']:6.2f} s"
+        for p in args.programs), flush=True)
   out = {"model": {**dataclasses.asdict(mcfg), "num_layers": args.layers}, "rows": rows}
   for mode in args.modes:
     mine = [r for r in rows if r["mode"] == mode]
     lo, hi = mine[0], mine[-1]
     total = lambda r, p: r[f"{p}_lower_seconds"] + r[f"{p}_compile_seconds"]
-    out[f"{mode}_update_growth_{hi['layers']}_over_{lo['layers']}"] = (
-        total(hi, "update") / total(lo, "update"))
-    out[f"{mode}_sampler_growth_{hi['layers']}_over_{lo['layers']}"] = (
-        total(hi, "sampler") / total(lo, "sampler"))
+    for p in args.programs:
+      out[f"{mode}_{p}_growth_{hi['layers']}_over_{lo['layers']}"] = total(hi, p) / total(lo, p)
   for k, v in out.items():
     if "growth" in k:
       print(f"{k}: {v:.2f}x (lower + compile)")
@@ -488,6 +502,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--width", type=int, default=128)
   p.add_argument("--layers", type=int, default=2)
   p.add_argument("--vocab", type=int, default=256)
+  p.add_argument("--scan", action="store_true", help="ModelConfig.scan_layers=True")
   p.add_argument("--repeats", type=int, default=3)
   p = sub.add_parser("iteration", help="one GSPO iteration, phase by phase")
   p.add_argument("--prompts", type=int, default=64)
@@ -499,6 +514,8 @@ def build_parser() -> argparse.ArgumentParser:
   p = sub.add_parser("compile", help="compile time vs number of layers")
   p.add_argument("--layers", type=int, nargs="+", default=[2, 4, 8, 16, 28])
   p.add_argument("--modes", nargs="+", default=list(LAYER_MODES), choices=LAYER_MODES)
+  p.add_argument("--programs", nargs="+", default=["update", "sampler"],
+                 choices=("update", "sampler"))
   p.add_argument("--width", type=int, default=256)
   p.add_argument("--heads", type=int, default=4)
   p.add_argument("--kv-heads", type=int, default=2)
@@ -517,10 +534,11 @@ BENCHES = {"peak": bench_peak, "train": bench_train, "logprobs": bench_logprobs,
 QUICK = {
     "peak": ["peak", "--sizes", "512", "1024", "--repeats", "3"],
     "train": ["train", "--layers", "4", "--sizes", "512", "1024", "--repeats", "2"],
-    "logprobs": ["logprobs", "--batch", "1", "--tokens", "512", "--repeats", "1"],
+    "logprobs": ["logprobs", "--batch", "2", "--tokens", "512", "--width", "128", "--chunk", "64",
+                 "--repeats", "1"],
     "sampler": ["sampler", "--repeats", "2"],
     "iteration": ["iteration", "--iterations", "3"],
-    "compile": ["compile", "--layers", "2", "8"],
+    "compile": ["compile", "--layers", "2", "8", "--programs", "update"],
 }
 
 

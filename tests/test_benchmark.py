@@ -23,7 +23,7 @@ def test_benchmark_logprobs_runs(tmp_path, monkeypatch, capsys):
 def test_benchmark_compile_runs(tmp_path, monkeypatch):
   argv = ["benchmark.py", "--out", str(tmp_path), "compile", "--layers", "2", "--modes", "scan",
           "--width", "16", "--heads", "2", "--kv-heads", "1", "--vocab", "32", "--rows", "2",
-          "--prompt-len", "4", "--new-tokens", "2"]
+          "--prompt-len", "4", "--new-tokens", "2", "--programs", "update"]
   monkeypatch.setattr(sys, "argv", argv)
   runpy.run_path(os.path.join(ROOT, "experiments", "benchmark.py"), run_name="__main__")
   record = json.load(open(tmp_path / "benchmark_compile.json"))
