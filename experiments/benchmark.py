@@ -8,8 +8,10 @@
     python experiments/benchmark.py iteration  # one GSPO iteration, phase by phase
     python experiments/benchmark.py compile    # compile time vs number of layers
 
-Figures are measured in one process; ratios compare runs of the same process on the
-same input. Machines are noisy: rerun before trusting a small difference.
+`all` writes benchmark_all.json (every record at its quick size, see QUICK); a subcommand
+writes benchmark_<name>.json at its full size. Figures are measured in one process; ratios
+compare runs of the same process on the same input. Machines are noisy: every record holds
+the load average before and after it; rerun before trusting a small difference.
 """
 
 from __future__ import annotations
@@ -216,7 +218,8 @@ def _bench_model(args):
   return config.ModelConfig(vocab_size=args.vocab, hidden=args.width, num_layers=args.layers,
                             num_heads=args.heads, num_kv_heads=args.kv_heads,
                             head_dim=args.width // args.heads, mlp_dim=4 * args.width,
-                            rope_theta=1e4, scan_layers=args.scan)
+                            rope_theta=1e4, scan_layers=args.scan,
+                            dtype=args.dtype)
 
 
 def update_flops(mcfg, rows: int, prompt_len: int, new_tokens: int) -> dict:
@@ -426,7 +429,7 @@ def bench_compile(args) -> dict:
   for scan, layers, warm_up in ([(args.modes[0], 1, True)] +
                                 [(s, n, False) for s in args.modes for n in args.layers]):
     mcfg = _bench_model(argparse.Namespace(**{**vars(args), "layers": layers,
-                                              "scan": scan == "scan"}))
+                                              "scan": scan == "scan", "dtype": "float32"}))
     row = {"mode": scan, "layers": layers}
     if "update" in args.programs:
       step, state, batch = _update_program(mcfg, R, P, T)
@@ -486,6 +489,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--remat", nargs="+", default=["none"], choices=REMAT_CHOICES,
                  help="ModelConfig.remat values to measure, one update step each")
   p.add_argument("--scan", action="store_true", help="ModelConfig.scan_layers=True")
+  p.add_argument("--dtype", default="float32",
+                 help="ModelConfig.dtype, the compute dtype (parameters stay float32)")
   p.add_argument("--repeats", type=int, default=3)
   p = sub.add_parser("logprobs", help="lean vs plain token log-probs")
   p.add_argument("--batch", type=int, default=4)
