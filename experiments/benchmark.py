@@ -1,17 +1,24 @@
 """Benchmarks. Each subcommand prints a table and writes JSON under experiments/results/.
 
+    python experiments/benchmark.py            # = `all`: every measurement at a quick size
     python experiments/benchmark.py peak       # measured matmul FLOP/s (the ceiling)
+    python experiments/benchmark.py train      # update step: time, model FLOP/s, MFU vs peak
     python experiments/benchmark.py logprobs   # lean vs plain token log-probs: memory, time
     python experiments/benchmark.py sampler    # in-graph group sampler vs a host-driven loop
+    python experiments/benchmark.py iteration  # one GSPO iteration, phase by phase
+    python experiments/benchmark.py compile    # compile time vs number of layers
 
-Figures are measured in one process; ratios compare runs of the same process on the
-same input. Machines are noisy: rerun before trusting a small difference.
+`all` writes benchmark_all.json (every record at its quick size, see QUICK); a subcommand
+writes benchmark_<name>.json at its full size. Figures are measured in one process; ratios
+compare runs of the same process on the same input. Machines are noisy: every record holds
+the load average before and after it; rerun before trusting a small difference.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import platform
@@ -153,7 +160,8 @@ def bench_sampler(args) -> dict:
   from gspo_jax.models import config, transformer
 
   mcfg = config.tiny(vocab_size=args.vocab, hidden=args.width, num_layers=args.layers,
-                     mlp_dim=4 * args.width, num_heads=4, num_kv_heads=2, head_dim=args.width // 4)
+                     mlp_dim=4 * args.width, num_heads=4, num_kv_heads=2, head_dim=args.width // 4,
+                     scan_layers=args.scan)
   model = transformer.create(mcfg)
   B, P, G, T = args.prompts, args.prompt_len, args.group, args.new_tokens
   rng = np.random.default_rng(0)
@@ -204,18 +212,287 @@ def bench_sampler(args) -> dict:
   return out
 
 
+def _bench_model(args):
+  """The dense benchmark model of `train` and `compile` (no MoE: its FLOPs depend on routing)."""
+  from gspo_jax.models import config
+  return config.ModelConfig(vocab_size=args.vocab, hidden=args.width, num_layers=args.layers,
+                            num_heads=args.heads, num_kv_heads=args.kv_heads,
+                            head_dim=args.width // args.heads, mlp_dim=4 * args.width,
+                            rope_theta=1e4, scan_layers=args.scan,
+                            dtype=args.dtype)
+
+
+def update_flops(mcfg, rows: int, prompt_len: int, new_tokens: int) -> dict:
+  """Model FLOPs of one GSPO update step (forward + backward) on R rows of S = P + T tokens.
+
+  The update recomputes teacher-forced log-probs over every row's prompt and response
+  (`sampling.response_logprobs`), so the forward pass runs on all S positions, and the
+  unembedding only on the T response positions (the lean log-prob path). Per layer, with
+  D hidden, N query heads, C kv heads, H head_dim, M mlp width:
+    matmul weights  W_layer = D*N*H (q) + 2*D*C*H (k, v) + N*H*D (o) + 3*D*M (SwiGLU)
+    forward         2 * R*S * L*W_layer  +  2 * R*T * D*V  +  L * 4 * R * S^2 * N*H
+  where the last term is q k^T and p v over all S x S query/key pairs (the mask is applied
+  to scores, nothing is skipped). Backward = 2 x forward (gradients with respect to inputs
+  and to weights), so the step is 3 x forward: the usual 6 * params * tokens plus
+  12 * L * R * S^2 * N*H for attention. Recomputation (the lean path's checkpointed logits,
+  remat) is not counted: these are model FLOPs, so MFU = model FLOP/s / peak FLOP/s.
+  """
+  c = mcfg
+  L, D, N, C, H, M, V = (c.num_layers, c.hidden, c.num_heads, c.num_kv_heads, c.head_dim,
+                         c.mlp_dim, c.vocab_size)
+  S, T, R = prompt_len + new_tokens, new_tokens, rows
+  w_layer = D * N * H + 2 * D * C * H + N * H * D + 3 * D * M
+  fwd_layers = 2 * R * S * L * w_layer
+  fwd_unembed = 2 * R * T * D * V
+  fwd_attention = L * 4 * R * S * S * N * H
+  forward = fwd_layers + fwd_unembed + fwd_attention
+  return {"matmul_params": L * w_layer + D * V, "forward": forward, "step": 3 * forward,
+          "attention_share": fwd_attention / forward}
+
+
+def _random_batch(mcfg, rows: int, prompt_len: int, new_tokens: int, seed: int = 0):
+  """A `train.Batch` of random rollout rows (full-length prompts, every token counted)."""
+  from gspo_jax import train
+  rng = np.random.default_rng(seed)
+  R, P, T = rows, prompt_len, new_tokens
+  return train.Batch(
+      prompts_RxP=jnp.asarray(rng.integers(0, mcfg.vocab_size, (R, P)), jnp.int32),
+      prompt_lens_R=jnp.full((R,), P, jnp.int32),
+      tokens_RxT=jnp.asarray(rng.integers(0, mcfg.vocab_size, (R, T)), jnp.int32),
+      mask_RxT=jnp.ones((R, T), jnp.float32),
+      old_logp_RxT=jnp.asarray(rng.normal(-8.0, 1.0, (R, T)), jnp.float32),
+      adv_R=jnp.asarray(rng.normal(0.0, 1.0, (R,)), jnp.float32))
+
+
+def _update_program(mcfg, rows: int, prompt_len: int, new_tokens: int):
+  """(jitted `train.update` with the state donated, TrainState, Batch) for one minibatch."""
+  from flax import nnx
+
+  from gspo_jax import train
+  from gspo_jax.models import transformer
+  cfg = train.TrainConfig(model=mcfg, num_minibatches=1, rollout=train.RolloutConfig(
+      prompts_per_iter=rows // 2, group_size=2, max_new_tokens=new_tokens,
+      max_prompt_len=prompt_len))
+  graphdef, params = nnx.split(transformer.create(mcfg), nnx.Param)
+  tx = train.make_optimizer(cfg.optim)
+  state = train.TrainState(params=params, opt_state=tx.init(params),
+                           step=jnp.zeros((), jnp.int32), key=jax.random.key(0))
+  step = jax.jit(functools.partial(train.update, graphdef=graphdef, tx=tx, cfg=cfg),
+                 donate_argnums=(0,))
+  return step, state, _random_batch(mcfg, rows, prompt_len, new_tokens)
+
+
+def bench_train(args) -> dict:
+  """Update-step time and MFU. The machine is shared, so besides the peak sweep, each timed
+  step is paired with a matmul timed just before it at the sweep's best size: the median of
+  the per-pair ratios ("MFU, paired") compares the two under the same load."""
+  peak = bench_peak(args)
+  n = max(peak["rows"], key=lambda r: r["gflops"])["n"]
+  a = jnp.ones((n, n), jnp.float32)
+  matmul = jax.jit(jnp.dot)
+  out = {"peak_gflops": peak["peak_gflops"], "peak": peak, "paired_matmul_n": n,
+         "rows": args.rows, "P": args.prompt_len, "T": args.new_tokens}
+  for remat in args.remat:
+    mcfg = dataclasses.replace(_bench_model(args), remat=remat)
+    flops = update_flops(mcfg, args.rows, args.prompt_len, args.new_tokens)
+    step, state, batch = _update_program(mcfg, args.rows, args.prompt_len, args.new_tokens)
+    t0 = time.perf_counter()
+    compiled = step.lower(state, batch).compile()
+    compile_s = time.perf_counter() - t0
+    state, metrics = compiled(state, batch)  # warm-up
+    times, paired = [], []
+    for _ in range(args.repeats):
+      peak_now = 2 * n**3 / timed(matmul, a, a, repeats=3) / 1e9
+      t0 = time.perf_counter()
+      state, metrics = compiled(state, batch)
+      jax.block_until_ready(metrics)
+      times.append(time.perf_counter() - t0)
+      paired.append(flops["step"] / times[-1] / 1e9 / peak_now)
+    sec = statistics.median(times)
+    gflops = flops["step"] / sec / 1e9
+    out.setdefault("model", dataclasses.asdict(mcfg))
+    out.setdefault("flops", flops)
+    out[f"remat_{remat}"] = {
+        "seconds": sec, "all_seconds": times, "compile_seconds": compile_s,
+        "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
+        "model_gflops_per_s": gflops, "mfu": gflops / out["peak_gflops"],
+        "mfu_paired": statistics.median(paired), "all_mfu_paired": paired,
+        "loss_finite": bool(np.isfinite(float(metrics["loss"])))}
+  print(f"train: {flops['matmul_params'] / 1e6:.1f}M matmul params (hidden {args.width}, "
+        f"{args.layers} layers, vocab {args.vocab}); update step on {args.rows} rows x "
+        f"({args.prompt_len} prompt + {args.new_tokens} response) tokens = "
+        f"{flops['step'] / 1e9:.0f} GFLOP (attention {flops['attention_share']:.0%} of forward)")
+  print(f"{'remat':6} {'step s':>8} {'GFLOP/s':>9} {'MFU':>6} {'paired':>7} {'temp MiB':>9} "
+        f"{'compile s':>10}")
+  for remat in args.remat:
+    r = out[f"remat_{remat}"]
+    print(f"{remat:6} {r['seconds']:8.3f} {r['model_gflops_per_s']:9.1f} {r['mfu']:6.1%} "
+          f"{r['mfu_paired']:7.1%} {r['temp_bytes'] / 2**20:9.1f} {r['compile_seconds']:10.2f}")
+  print(f"MFU = model FLOP/s / the best matmul FLOP/s measured above "
+        f"({out['peak_gflops']:.1f} GFLOP/s); paired: against a {n}x{n} matmul timed before each step")
+  return out
+
+
+def bench_iteration(args) -> dict:
+  """One GSPO iteration of `gspo_jax.train` (addition task, no cold start), phase by phase:
+  sample (the in-graph sampler), score (decode + Python rewards on the host), prepare
+  (advantages and the recomputed pi_old, one jit), update (the minibatch scan, one jit);
+  then the same iterations fused into one program (`gspo_jax.fused`)."""
+  import tempfile
+
+  from gspo_jax import train
+  from gspo_jax.models import config
+  mcfg = config.tiny(vocab_size=32, hidden=args.width, mlp_dim=4 * args.width, num_heads=4,
+                     num_kv_heads=2, head_dim=args.width // 4, num_layers=args.layers)
+  cfg = train.TrainConfig(
+      model=mcfg, num_minibatches=4, sft=train.SFTConfig(steps=0),
+      rollout=train.RolloutConfig(prompts_per_iter=args.prompts, group_size=args.group,
+                                  max_new_tokens=args.new_tokens, max_prompt_len=8))
+  phases = ("time_sample", "time_score", "time_old_logp", "time_update", "time_total")
+  rows = []
+  with tempfile.TemporaryDirectory() as run_dir:
+    run = train.setup(cfg, run_dir)
+    state0 = jax.tree.map(jnp.copy, run.state)  # the fused run starts from the same state
+    for _ in range(args.iterations + 1):  # the first iteration compiles
+      t0 = time.perf_counter()
+      batch, stats = train.rollout_step(run, run.state)
+      t1 = time.perf_counter()
+      run.state, metrics = run.programs.update(run.state, batch)
+      jax.block_until_ready(metrics)
+      t2 = time.perf_counter()
+      rows.append({**{k: float(stats[k]) for k in phases[:3]}, "time_update": t2 - t1,
+                   "time_total": t2 - t0, "rollout_step_seconds": t1 - t0})
+    fused_rows = _fused_iterations(run, state0, args.iterations + 1)
+  median = {k: statistics.median(r[k] for r in rows[1:]) for k in phases}
+  fused_s = statistics.median(fused_rows[1:])
+  # Host work between phases; a difference of medians, so it can come out slightly negative.
+  median["time_other"] = median["time_total"] - sum(median[k] for k in phases[:4])
+  tokens = args.prompts * args.group * args.new_tokens
+  out = {"model": dataclasses.asdict(mcfg), "rollout": dataclasses.asdict(cfg.rollout),
+         "num_minibatches": cfg.num_minibatches, "first_iteration": rows[0],
+         "iterations": rows[1:], "median": median, "fused_first_iteration_seconds": fused_rows[0],
+         "fused_iteration_seconds": fused_rows[1:], "fused_median_seconds": fused_s,
+         "speedup_fused_over_phased": median["time_total"] / fused_s}
+  print(f"iteration: addition, hidden {args.width}, {args.layers} layers; {args.prompts} prompts "
+        f"x G={args.group}, up to {args.new_tokens} new tokens ({tokens} max), 4 minibatches")
+  print(f"{'phase':10} {'median s':>9} {'share':>6} {'first s':>8}")
+  names = {"time_sample": "sample", "time_score": "score", "time_old_logp": "prepare",
+           "time_update": "update", "time_other": "other", "time_total": "total"}
+  for k, name in names.items():
+    first = rows[0].get(k, rows[0]["time_total"] - sum(rows[0][p] for p in phases[:4]))
+    print(f"{name:10} {median[k]:9.4f} {median[k] / median['time_total']:6.1%} {first:8.3f}")
+  print(f"{'fused':10} {fused_s:9.4f} {'':6} {fused_rows[0]:8.3f}   (sample, token-id reward, "
+        f"prepare and update in one program)")
+  print(f"fused / phased: {out['speedup_fused_over_phased']:.2f}x faster per iteration")
+  return out
+
+
+def _fused_iterations(run, state, n: int) -> list[float]:
+  """Wall seconds of n fused iterations (host: draw and encode the prompts and answers)."""
+  from gspo_jax import fused, train
+  step = fused.make_fused_iteration(run)
+  cfg, seconds = run.cfg, []
+  for it in range(n):
+    t0 = time.perf_counter()
+    examples = run.task.sample(np.random.default_rng([cfg.seed, it]),
+                               cfg.rollout.prompts_per_iter, "train")
+    prompts, lens = train.encode_prompts(run.tok, examples, cfg.rollout.max_prompt_len)
+    answer, answer_lens = fused.encode_answers(run.tok, examples, cfg.rollout.max_new_tokens)
+    state, metrics = step(state, prompts, lens, answer, answer_lens)
+    jax.block_until_ready(metrics)
+    seconds.append(time.perf_counter() - t0)
+  return seconds
+
+
+def _compile_seconds(jitted, *args) -> tuple[float, float]:
+  """(trace + lower seconds, XLA compile seconds)."""
+  t0 = time.perf_counter()
+  lowered = jitted.lower(*args)
+  t1 = time.perf_counter()
+  lowered.compile()
+  return t1 - t0, time.perf_counter() - t1
+
+
+def bench_compile(args) -> dict:
+  """Compile time of the update step and of the sampler vs the number of layers (fixed
+  width), for the unrolled model and the scanned one (`ModelConfig.scan_layers`)."""
+  from flax import nnx
+
+  from gspo_jax import sampling
+  from gspo_jax.models import transformer
+  R, P, T = args.rows, args.prompt_len, args.new_tokens
+  scfg = sampling.SamplerConfig(group_size=2, max_new_tokens=T, eos_id=args.vocab - 1,
+                                max_prompt_len=P)
+  prompts, lens = jnp.ones((R // 2, P), jnp.int32), jnp.full((R // 2,), P, jnp.int32)
+  rows = []
+  # The first compile of a process also pays one-off costs (LLVM set-up): warm up on a
+  # 1-layer model and discard it.
+  for scan, layers, warm_up in ([(args.modes[0], 1, True)] +
+                                [(s, n, False) for s in args.modes for n in args.layers]):
+    mcfg = _bench_model(argparse.Namespace(**{**vars(args), "layers": layers,
+                                              "scan": scan == "scan", "dtype": "float32"}))
+    row = {"mode": scan, "layers": layers}
+    if "update" in args.programs:
+      step, state, batch = _update_program(mcfg, R, P, T)
+      row["update_lower_seconds"], row["update_compile_seconds"] = _compile_seconds(
+          step, state, batch)
+    if "sampler" in args.programs:
+      graphdef, params = nnx.split(transformer.create(mcfg))
+      program = sampling.sampler_program(graphdef, params, scfg)
+      row["sampler_lower_seconds"], row["sampler_compile_seconds"] = _compile_seconds(
+          program, params, prompts, lens, jax.random.key(0))
+    if warm_up:
+      continue
+    rows.append(row)
+    print(f"{scan:8} {layers:3d} layers: " + " | ".join(
+        f"{p} lower {row[p + '_lower_seconds']:6.2f} s compile {row[p + '_compile_seconds']:6.2f} s"
+        for p in args.programs), flush=True)
+  out = {"model": {**dataclasses.asdict(mcfg), "num_layers": args.layers}, "rows": rows}
+  for mode in args.modes:
+    mine = [r for r in rows if r["mode"] == mode]
+    lo, hi = mine[0], mine[-1]
+    total = lambda r, p: r[f"{p}_lower_seconds"] + r[f"{p}_compile_seconds"]
+    for p in args.programs:
+      out[f"{mode}_{p}_growth_{hi['layers']}_over_{lo['layers']}"] = total(hi, p) / total(lo, p)
+  for k, v in out.items():
+    if "growth" in k:
+      print(f"{k}: {v:.2f}x (lower + compile)")
+  return out
+
+
 def nnx_params(model):
   from flax import nnx
   return nnx.state(model, nnx.Param)
 
 
-def main(argv=None):
+def _add_peak_args(p, sizes):
+  p.add_argument("--sizes", type=int, nargs="+", default=sizes, help="square matmul sizes")
+
+
+def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--out", default=RESULTS, help="directory for the JSON record")
-  sub = parser.add_subparsers(dest="cmd", required=True)
+  sub = parser.add_subparsers(dest="cmd")
+  sub.add_parser("all", help="every measurement at its quick size (the default)")
   p = sub.add_parser("peak", help="matmul throughput")
-  p.add_argument("--sizes", type=int, nargs="+", default=[512, 1024, 2048])
+  _add_peak_args(p, [512, 1024, 2048])
   p.add_argument("--repeats", type=int, default=5)
+  p = sub.add_parser("train", help="update step: time, model FLOP/s, MFU against peak")
+  _add_peak_args(p, [512, 1024, 2048])
+  p.add_argument("--width", type=int, default=512)
+  p.add_argument("--layers", type=int, default=6)
+  p.add_argument("--heads", type=int, default=8)
+  p.add_argument("--kv-heads", type=int, default=4)
+  p.add_argument("--vocab", type=int, default=8192)
+  p.add_argument("--rows", type=int, default=8)
+  p.add_argument("--prompt-len", type=int, default=96)
+  p.add_argument("--new-tokens", type=int, default=32)
+  p.add_argument("--remat", nargs="+", default=["none"], choices=REMAT_CHOICES,
+                 help="ModelConfig.remat values to measure, one update step each")
+  p.add_argument("--scan", action="store_true", help="ModelConfig.scan_layers=True")
+  p.add_argument("--dtype", default="float32",
+                 help="ModelConfig.dtype, the compute dtype (parameters stay float32)")
+  p.add_argument("--repeats", type=int, default=3)
   p = sub.add_parser("logprobs", help="lean vs plain token log-probs")
   p.add_argument("--batch", type=int, default=4)
   p.add_argument("--tokens", type=int, default=1024)
@@ -225,19 +502,80 @@ def main(argv=None):
   p.add_argument("--repeats", type=int, default=3)
   p = sub.add_parser("sampler", help="in-graph group sampler vs a host-driven loop")
   p.add_argument("--prompts", type=int, default=4)
-  p.add_argument("--prompt-len", type=int, default=256)
+  p.add_argument("--prompt-len", type=int, default=512)
   p.add_argument("--group", type=int, default=8)
   p.add_argument("--new-tokens", type=int, default=64)
   p.add_argument("--width", type=int, default=128)
   p.add_argument("--layers", type=int, default=2)
   p.add_argument("--vocab", type=int, default=256)
+  p.add_argument("--scan", action="store_true", help="ModelConfig.scan_layers=True")
   p.add_argument("--repeats", type=int, default=3)
-  args = parser.parse_args(argv)
-  result = {"peak": bench_peak, "logprobs": bench_logprobs, "sampler": bench_sampler}[args.cmd](args)
-  record = {"command": "python experiments/benchmark.py " + " ".join(argv or sys.argv[1:]),
-            "args": vars(args),
-            "machine": machine(), "result": result}
-  print("wrote", write(args.cmd, record, args.out))
+  p = sub.add_parser("iteration", help="one GSPO iteration, phase by phase")
+  p.add_argument("--prompts", type=int, default=64)
+  p.add_argument("--group", type=int, default=8)
+  p.add_argument("--new-tokens", type=int, default=5)
+  p.add_argument("--width", type=int, default=128)
+  p.add_argument("--layers", type=int, default=2)
+  p.add_argument("--iterations", type=int, default=5)
+  p = sub.add_parser("compile", help="compile time vs number of layers")
+  p.add_argument("--layers", type=int, nargs="+", default=[2, 4, 8, 16, 28])
+  p.add_argument("--modes", nargs="+", default=list(LAYER_MODES), choices=LAYER_MODES)
+  p.add_argument("--programs", nargs="+", default=["update", "sampler"],
+                 choices=("update", "sampler"))
+  p.add_argument("--width", type=int, default=256)
+  p.add_argument("--heads", type=int, default=4)
+  p.add_argument("--kv-heads", type=int, default=2)
+  p.add_argument("--vocab", type=int, default=1024)
+  p.add_argument("--rows", type=int, default=4)
+  p.add_argument("--prompt-len", type=int, default=32)
+  p.add_argument("--new-tokens", type=int, default=16)
+  return parser
+
+
+REMAT_CHOICES = ("none", "full", "dots")
+LAYER_MODES = ("unrolled", "scan")
+BENCHES = {"peak": bench_peak, "train": bench_train, "logprobs": bench_logprobs,
+           "sampler": bench_sampler, "iteration": bench_iteration, "compile": bench_compile}
+# `all`: each measurement at a size that keeps the whole run to a few minutes on 2 CPU cores.
+QUICK = {
+    "peak": ["peak", "--sizes", "512", "1024", "--repeats", "3"],
+    "train": ["train", "--layers", "4", "--sizes", "512", "1024", "--repeats", "2"],
+    "logprobs": ["logprobs", "--batch", "2", "--tokens", "512", "--width", "128", "--chunk", "64",
+                 "--repeats", "1"],
+    "sampler": ["sampler", "--repeats", "2"],
+    "iteration": ["iteration", "--iterations", "3"],
+    "compile": ["compile", "--layers", "2", "8", "--programs", "update"],
+}
+
+
+def run_one(argv: list[str]) -> dict:
+  """Parse one subcommand's arguments, run it, and return its record (with load averages:
+  the machine is shared, and a loaded machine explains a slow figure)."""
+  args = build_parser().parse_args(argv)
+  load_before = os.getloadavg()
+  result = BENCHES[args.cmd](args)
+  return {"command": "python experiments/benchmark.py " + " ".join(argv), "args": vars(args),
+          "machine": machine(), "load_average_before": load_before,
+          "load_average_after": os.getloadavg(), "result": result}
+
+
+def main(argv=None):
+  argv = sys.argv[1:] if argv is None else list(argv)
+  args = build_parser().parse_args(argv)
+  if args.cmd not in (None, "all"):
+    print("wrote", write(args.cmd, run_one(argv), args.out))
+    return
+  out_args = argv[:argv.index("all")] if "all" in argv else argv
+  t0 = time.perf_counter()
+  records = {}
+  for name, quick in QUICK.items():
+    print(f"\n== {name}: python experiments/benchmark.py {' '.join(quick)}", flush=True)
+    records[name] = run_one(out_args + quick)
+  total = time.perf_counter() - t0
+  print(f"\nall benchmarks: {total:.0f} s")
+  record = {"command": "python experiments/benchmark.py " + " ".join(argv),
+            "seconds": total, "machine": machine(), "records": records}
+  print("wrote", write("all", record, args.out))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Device meshes, the logical-axis rules table, and sharded model initialisation.
 
 Model code names the axes of every parameter (`logical_axes` metadata: vocab, embed, heads,
-kv_heads, head_dim, mlp, expert); one rules table here maps those names to mesh axes.
+kv_heads, head_dim, mlp, expert, and layers for a scanned model); one rules table here maps those names to mesh axes.
 Parameter and activation (batch) rules are kept apart, as levanter does: parameters are
 split along `fsdp` (the residual width) and `tensor` (heads, mlp, vocab); batches along
 `data` and `fsdp` together.
@@ -33,6 +33,8 @@ PARAM_RULES: Mapping[str, str | None] = {
     "head_dim": None,
     "mlp": "tensor",
     "expert": None,      # no expert parallelism yet: experts are split by embed / mlp
+    "layers": None,      # the stacked axis of a scanned model (cfg.scan_layers): the scan
+                         # slices one layer per step, so every device holds all of them
 }
 
 # Logical activation axis -> mesh axes. Rows of a batch are split over data and fsdp.
@@ -46,6 +48,7 @@ AXIS_FIELDS: Mapping[str, str] = {
     "vocab": "model.vocab_size", "embed": "model.hidden", "heads": "model.num_heads",
     "kv_heads": "model.num_kv_heads", "head_dim": "model.head_dim",
     "mlp": "model.mlp_dim (or model.moe_mlp_dim)", "expert": "model.num_experts",
+    "layers": "model.num_layers",
 }
 
 

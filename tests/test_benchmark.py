@@ -18,3 +18,15 @@ def test_benchmark_logprobs_runs(tmp_path, monkeypatch, capsys):
   assert result["abs_diff_sum_logp"] < 1e-3
   assert result["plain"]["temp_bytes"] > 0 and result["lean"]["temp_bytes"] > 0
   assert "memory plain/lean" in capsys.readouterr().out
+
+
+def test_benchmark_compile_runs(tmp_path, monkeypatch):
+  argv = ["benchmark.py", "--out", str(tmp_path), "compile", "--layers", "2", "--modes", "scan",
+          "--width", "16", "--heads", "2", "--kv-heads", "1", "--vocab", "32", "--rows", "2",
+          "--prompt-len", "4", "--new-tokens", "2", "--programs", "update"]
+  monkeypatch.setattr(sys, "argv", argv)
+  runpy.run_path(os.path.join(ROOT, "experiments", "benchmark.py"), run_name="__main__")
+  record = json.load(open(tmp_path / "benchmark_compile.json"))
+  (row,) = record["result"]["rows"]
+  assert row["mode"] == "scan" and row["layers"] == 2 and row["update_compile_seconds"] > 0
+  assert record["result"]["model"]["scan_layers"] and len(record["load_average_before"]) == 3

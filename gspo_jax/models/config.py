@@ -7,6 +7,7 @@ import dataclasses
 import jax.numpy as jnp
 
 DISPATCHES = ("dense", "ragged")
+REMATS = ("none", "full", "dots")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +38,9 @@ class ModelConfig:
   moe_dispatch: str = "dense"                 # "dense" reference or "ragged" (jax.lax.ragged_dot)
   dtype: str = "float32"                      # activations
   param_dtype: str = "float32"
+  # Execution only (same function, same parameters up to layout):
+  scan_layers: bool = False   # one lax.scan over layers stacked on a leading `layers` axis
+  remat: str = "none"         # backward pass: "full" recomputes each layer, "dots" keeps matmuls
 
   def __post_init__(self):
     for name in ("vocab_size", "hidden", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -61,6 +65,11 @@ class ModelConfig:
       if self.moe_layers is not None and not all(0 <= i < self.num_layers for i in self.moe_layers):
         raise ValueError(f"ModelConfig.moe_layers must index layers in [0, {self.num_layers}); "
                          f"got {self.moe_layers}")
+    if self.remat not in REMATS:
+      raise ValueError(f"ModelConfig.remat must be one of {REMATS}; got {self.remat!r}")
+    if self.scan_layers and 0 < self.num_moe_layers < self.num_layers:
+      raise ValueError("ModelConfig.scan_layers needs every layer alike: set moe_layers=None "
+                       f"(all MoE) or scan_layers=False; got moe_layers={self.moe_layers}")
     for name in ("dtype", "param_dtype"):
       try:
         jnp.dtype(getattr(self, name))

@@ -226,6 +226,9 @@ def save(model: Transformer, directory: str, *, max_shard_bytes: int = 5 * 2**30
   """Write `model` as a Hugging Face directory (config.json + safetensors). Multi-host:
   every process calls it; process 0 gathers each tensor and writes."""
   cfg = model.cfg
+  if cfg.scan_layers:
+    raise ValueError("hf.save: a model with ModelConfig.scan_layers=True stores its layers "
+                     "stacked; save the unrolled model (scan_layers=False) instead")
   flat = dict(nnx.to_flat_state(nnx.state(model)))
 
   def tensors():

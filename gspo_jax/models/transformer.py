@@ -6,6 +6,11 @@ positions, D hidden, V vocabulary, C kv heads, H head_dim, L layers, K experts p
 Block (pre-norm, as HF Qwen3): x += attn(norm(x)); x += mlp_or_moe(norm(x)); then a final
 norm and the unembedding (the embedding table transposed when tied).
 
+With `cfg.scan_layers` the L blocks are one Block whose parameters carry a leading
+`layers` axis, and both entry points run a `jax.lax.scan` over it: the compiled program
+holds one layer, so compile time no longer grows with depth. Same seed, same weights.
+`cfg.remat` wraps each layer in `jax.checkpoint` (see `REMAT_POLICIES`).
+
 Two entry points share the weights:
   * `__call__(tokens_BxS, positions_BxS, valid_BxS)`: full causal forward (training,
     teacher forcing, prefill). A key is visible to a query iff it is valid and its position
@@ -36,31 +41,54 @@ class RouterInfo:
   aux_loss: Array               # scalar, sum over MoE layers
 
 
+# Per layer: a tuple of L arrays (unrolled model) or one array with a leading L axis
+# (cfg.scan_layers). `x[i]` is layer i either way.
+Layers = tuple[Array, ...] | Array
+
+
 @flax.struct.dataclass
 class ModelOutput:
   hidden_BxSxD: Array           # after the final norm
-  kv: tuple[tuple[Array, Array], ...]  # per layer (k_BxSxCxH, v_BxSxCxH), RoPE applied
+  k: Layers                     # per layer k_BxSxCxH, RoPE applied
+  v: Layers                     # per layer v_BxSxCxH
   router: RouterInfo
 
 
 @flax.struct.dataclass
 class KVCache:
-  """Shared prompt keys (one per row) and per-response keys, per layer."""
-  prefix_k: tuple[Array, ...]   # per layer (B, P, C, H)
-  prefix_v: tuple[Array, ...]
+  """Shared prompt keys (one per row) and per-response keys, per layer (`Layers`)."""
+  prefix_k: Layers              # per layer (B, P, C, H)
+  prefix_v: Layers
   prefix_valid_BxP: Array        # bool
-  k: tuple[Array, ...]           # per layer (B, G, T, C, H)
-  v: tuple[Array, ...]
+  k: Layers                     # per layer (B, G, T, C, H)
+  v: Layers
   index: Array                   # int32 scalar: the slot the next token is written to
 
   @classmethod
   def from_prefill(cls, out: ModelOutput, valid_BxP: Array, group_size: int, max_len: int):
-    B, P, C, H = out.kv[0][0].shape
-    empty = lambda kv: jnp.zeros((B, group_size, max_len, C, H), kv.dtype)
-    return cls(prefix_k=tuple(k for k, _ in out.kv), prefix_v=tuple(v for _, v in out.kv),
-               prefix_valid_BxP=valid_BxP.astype(bool),
-               k=tuple(empty(k) for k, _ in out.kv), v=tuple(empty(v) for _, v in out.kv),
-               index=jnp.zeros((), jnp.int32))
+    B, P, C, H = out.k[0].shape
+    if isinstance(out.k, tuple):
+      empty = lambda xs: tuple(jnp.zeros((B, group_size, max_len, C, H), x.dtype) for x in xs)
+    else:
+      empty = lambda x: jnp.zeros((x.shape[0], B, group_size, max_len, C, H), x.dtype)
+    return cls(prefix_k=out.k, prefix_v=out.v, prefix_valid_BxP=valid_BxP.astype(bool),
+               k=empty(out.k), v=empty(out.v), index=jnp.zeros((), jnp.int32))
+
+
+# cfg.remat -> the jax.checkpoint policy of each layer in the backward pass.
+REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,      # keep only each layer's input
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep weight matmuls
+}
+
+
+def stack_blocks(blocks) -> "Block":
+  """One Block holding the parameters of `blocks` stacked on a new leading `layers` axis."""
+  graphdef, _ = nnx.split(blocks[0])
+  stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(b) for b in blocks])
+  for var in jax.tree.leaves(stacked, is_leaf=lambda x: isinstance(x, nnx.Variable)):
+    var.set_metadata("logical_axes", ("layers",) + tuple(var.get_metadata()["logical_axes"]))
+  return nnx.merge(graphdef, stacked)
 
 
 class Block(nnx.Module):
@@ -94,7 +122,8 @@ class Transformer(nnx.Module):
     self.dtype = jnp.dtype(cfg.dtype)
     normal = lambda key, shape, dtype: 0.02 * jax.random.normal(key, shape, dtype)
     self.embed = param(rngs, (cfg.vocab_size, cfg.hidden), ("vocab", "embed"), pd, init=normal)
-    self.layers = nnx.List([Block(cfg, i, rngs=rngs) for i in range(cfg.num_layers)])
+    blocks = [Block(cfg, i, rngs=rngs) for i in range(cfg.num_layers)]
+    self.layers = stack_blocks(blocks) if cfg.scan_layers else nnx.List(blocks)
     self.final_norm = RMSNorm(cfg.hidden, eps=cfg.rms_eps, axis_name="embed", param_dtype=pd,
                               rngs=rngs)
     self.lm_head = None if cfg.tie_embeddings else param(
@@ -129,18 +158,37 @@ class Transformer(nnx.Module):
     mask_BxGxSxS = (valid[:, None, :] & (positions_BxS[:, None, :] <= positions_BxS[:, :, None])
                     )[:, None]
     x = self._embed(tokens_BxS) if embeds_BxSxD is None else embeds_BxSxD.astype(self.dtype)
-    kvs, indices, aux = [], [], jnp.zeros((), jnp.float32)
-    for layer in self.layers:
+
+    def layer_fn(graphdef, params, x, replay_BxSxK):
+      """One block as a pure function of its parameters (what scan and remat need)."""
+      layer = nnx.merge(graphdef, params)
       q, k, v = layer.attn.qkv(layer.attn_norm(x), positions_BxS)
       o = attend(q[:, None], own=(k[:, None], v[:, None], mask_BxGxSxS))[:, 0]
       x = x + layer.attn.out(o).astype(x.dtype)
+      x, idx, aux = layer.feed_forward(x, valid, replay_BxSxK)
+      return x, (k, v, idx, aux)
+
+    if self.cfg.remat != "none":
+      layer_fn = jax.checkpoint(layer_fn, policy=REMAT_POLICIES[self.cfg.remat],
+                                static_argnums=(0,))
+    if self.cfg.scan_layers:
+      graphdef, params = nnx.split(self.layers)
+      stacked_replay = None if replay is None else jnp.stack(replay)
+      x, (k, v, idx, aux) = jax.lax.scan(lambda x, xs: layer_fn(graphdef, xs[0], x, xs[1]),
+                                         x, (params, stacked_replay))
+      indices = () if idx is None else tuple(idx)
+      aux = jnp.zeros((), jnp.float32) if aux is None else jnp.sum(aux)
+      return ModelOutput(self.final_norm(x), k, v, RouterInfo(indices, aux))
+    ks, vs, indices, aux = [], [], [], jnp.zeros((), jnp.float32)
+    for layer in self.layers:
       r = replay[len(indices)] if (replay is not None and layer.is_moe) else None
-      x, idx, a = layer.feed_forward(x, valid, r)
+      x, (k, v, idx, a) = layer_fn(*nnx.split(layer), x, r)
       if idx is not None:
         indices.append(idx)
         aux = aux + a
-      kvs.append((k, v))
-    return ModelOutput(self.final_norm(x), tuple(kvs), RouterInfo(tuple(indices), aux))
+      ks.append(k)
+      vs.append(v)
+    return ModelOutput(self.final_norm(x), tuple(ks), tuple(vs), RouterInfo(tuple(indices), aux))
 
   def decode(self, tokens_BxG: Array, positions_BxG: Array, cache: KVCache
              ) -> tuple[Array, KVCache]:
@@ -151,20 +199,44 @@ class Transformer(nnx.Module):
     x = self._embed(tokens_BxG.reshape(B * G, 1))
     prefix_mask = cache.prefix_valid_BxP[:, None, None, :]          # (B, 1, 1, P)
     own_mask = (jnp.arange(T) <= cache.index)[None, None, None, :]  # slots written so far
-    new_k, new_v = [], []
-    for i, layer in enumerate(self.layers):
+
+    def layer_fn(graphdef, params, x, k_buf, v_buf, prefix_k, prefix_v):
+      layer = nnx.merge(graphdef, params)
       q, k, v = layer.attn.qkv(layer.attn_norm(x), pos)
       put = lambda buf, x1: jax.lax.dynamic_update_slice(
           buf, x1.reshape(B, G, 1, *x1.shape[2:]).astype(buf.dtype), (0, 0, cache.index, 0, 0))
-      k_i, v_i = put(cache.k[i], k), put(cache.v[i], v)
-      o = attend(q.reshape(B, G, 1, *q.shape[2:]),
-                 shared=(cache.prefix_k[i], cache.prefix_v[i], prefix_mask),
-                 own=(k_i, v_i, own_mask))
+      k_buf, v_buf = put(k_buf, k), put(v_buf, v)
+      o = attend(q.reshape(B, G, 1, *q.shape[2:]), shared=(prefix_k, prefix_v, prefix_mask),
+                 own=(k_buf, v_buf, own_mask))
       x = x + layer.attn.out(o.reshape(B * G, 1, *o.shape[3:])).astype(x.dtype)
       x, _, _ = layer.feed_forward(x, None, None)
-      new_k.append(k_i)
-      new_v.append(v_i)
-    cache = cache.replace(k=tuple(new_k), v=tuple(new_v), index=cache.index + 1)
+      return x, (k_buf, v_buf)
+
+    if self.cfg.scan_layers:
+      graphdef, params = nnx.split(self.layers)
+
+      def body(carry, xs):
+        # The response caches ride in the carry and only the new token is written back (in
+        # place); as scan outputs they would be copied whole at every decode step.
+        x, k_all, v_all, i = carry
+        x, (k_i, v_i) = layer_fn(graphdef, xs[0], x, k_all[i], v_all[i], *xs[1:])
+        write = lambda buf, new: jax.lax.dynamic_update_slice(
+            buf, jax.lax.dynamic_slice_in_dim(new, cache.index, 1, 2)[None],
+            (i, 0, 0, cache.index, 0, 0))
+        return (x, write(k_all, k_i), write(v_all, v_i), i + 1), None
+
+      (x, new_k, new_v, _), _ = jax.lax.scan(
+          body, (x, cache.k, cache.v, jnp.zeros((), jnp.int32)),
+          (params, cache.prefix_k, cache.prefix_v))
+    else:
+      new_k, new_v = [], []
+      for i, layer in enumerate(self.layers):
+        x, (k_i, v_i) = layer_fn(*nnx.split(layer), x, cache.k[i], cache.v[i],
+                                 cache.prefix_k[i], cache.prefix_v[i])
+        new_k.append(k_i)
+        new_v.append(v_i)
+      new_k, new_v = tuple(new_k), tuple(new_v)
+    cache = cache.replace(k=new_k, v=new_v, index=cache.index + 1)
     return self.final_norm(x).reshape(B, G, -1), cache
 
   def _check_replay(self, replay):
