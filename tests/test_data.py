@@ -194,3 +194,34 @@ def test_bad_reward_stops_training_with_the_sample(tmp_path, monkeypatch):
   # The first call is the held-out evaluation at step 0: 4 prompts, one greedy response each.
   with pytest.raises(ValueError, match=r"reward f .* returned 1 values for 4 completions"):
     T.train(cfg, str(tmp_path / "run"), progress=False)
+
+
+# ------------------------------------------------------------------------------ worked example
+
+
+def test_word_problem_example_data_reward_and_config(tmp_path):
+  import importlib.util
+  import os
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+  def load(name):
+    spec = importlib.util.spec_from_file_location(
+        f"_wp_{name}", os.path.join(root, "experiments", "word_problems", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+  make = load("make_data")
+  train, held = make.make(50, 10)
+  assert (train, held) == make.make(50, 10)  # deterministic
+  assert not {r["prompt"] for r in train} & {r["prompt"] for r in held}
+  for r in train + held:  # the stated answer is the sum / difference of the two numbers
+    a, b = (int(x) for x in __import__("re").findall(r"\d+", r["prompt"])[:2])
+    assert int(r["answer"]) == (a + b if r["op"] == "+" else a - b) >= 0
+  reward = load("reward")
+  assert reward.correct(None, ["7", "5 + 2 = 7", "Tom has 7 apples", "3 and 4", "none"],
+                        ["7"] * 5) == [1, 1, 1, 0, 0]
+  assert reward.brief(None, ["7", " 12.", "7 apples"]) == [1, 1, 0]
+  cfg = configlib.load_config(os.path.join(root, "configs", "smollm2_word_problems.py"))
+  assert cfg.task == "dataset" and cfg.reward[0].endswith("reward.py:correct")
+  assert configlib.from_dict(T.TrainConfig, configlib.to_dict(cfg)) == cfg
