@@ -140,7 +140,7 @@ def run_evaluation(args) -> dict:
     from gspo_jax.data import DatasetTask, examples_from_file
     if not isinstance(run.task, DatasetTask):
       raise SystemExit(f"--data needs a run of task='dataset'; {run_dir} trained {cfg.task!r}")
-    examples = examples_from_file(run.task, args.data)[:cfg.eval_size]
+    examples = examples_from_file(run.task, args.data)[:args.size]  # all unless --size
   else:
     examples = T.heldout(run.task, cfg)
   mesh = run.layout.mesh
@@ -171,7 +171,7 @@ def main(argv=None):
   parser.add_argument("--data", default=None, help="JSONL file of prompts (task='dataset' "
                       "runs; default: the run's held-out set)")
   parser.add_argument("--size", type=int, default=None, help="at most this many problems "
-                      "(default: config eval_size)")
+                      "(default: all of --data, else the config's eval_size)")
   parser.add_argument("--k", type=int, default=0, help="report pass@k (0 = greedy only)")
   parser.add_argument("--n", type=int, default=None, help="samples per prompt (>= k; default k)")
   parser.add_argument("--seed", type=int, default=0, help="sampling seed for pass@k")

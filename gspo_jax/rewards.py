@@ -6,9 +6,10 @@ A reward is a plain Python function on decoded text:
 
 `prompts[i]` is the user's prompt text (before any chat template), `completions[i]` the
 decoded response (cut at EOS), and each extra dataset field (e.g. `answer`) arrives as a
-list aligned with them: the G responses to one prompt repeat that prompt's fields. A
-function may name the fields it needs (`answer`) and/or take `**fields`; it is given only
-what it asks for.
+list aligned with them: the G responses to one prompt repeat that prompt's fields (None
+where a record lacks a field others have). A function may name the fields it needs
+(`answer`) and/or take `**fields`; it is given only what it asks for, and a field it names
+without a default must be in every record (checked when the data is loaded).
 
 A spec string names one: "module:function", "path/to/file.py:function", or a built-in
 below by its bare name ("exact_match"); a "*weight" suffix scales it ("format_reward*0.2").
