@@ -189,10 +189,8 @@ class DatasetTask(Task):
             for p in range(step * n, step * n + n)]
 
   def eval_examples(self, seed: int, n: int) -> list[Example]:
-    """The first `n` held-out records, in file order (all of them if fewer)."""
-    if not self._heldout:
-      raise ValueError(f"{self!r} has no held-out records: set data.heldout_file or "
-                       "data.heldout_fraction (or eval_every=0 and eval_size=0)")
+    """The first `n` held-out records, in file order (all of them if fewer; none when no
+    held-out set is configured)."""
     return self._heldout[:n]
 
   def sample(self, rng: np.random.Generator, n: int, split: str) -> list[Example]:

@@ -676,8 +676,11 @@ def train(cfg: TrainConfig, run_dir: str, *, resume: bool = False, checkpoint_ev
                        "--run-dir")
     start = ckpt.latest_step() if resume else None
     summary: dict[str, Any] = {}
-    evaluate_now = lambda: evaluate.evaluate(run.state.params, run.graphdef, run.task, run.tok,
-                                             held, cfg, mesh=mesh)["accuracy"]
+    if not held:
+      _log("no held-out set (data.heldout_file / data.heldout_fraction): held-out accuracy "
+           "is reported as nan")
+    evaluate_now = lambda: float("nan") if not held else evaluate.evaluate(
+        run.state.params, run.graphdef, run.task, run.tok, held, cfg, mesh=mesh)["accuracy"]
     if start is not None:
       run.state = ckpt.restore(run.state)
       _log(f"resumed from checkpoint step {start} in {run_dir}")

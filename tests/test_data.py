@@ -190,9 +190,12 @@ def test_jsonl_and_reward_module_train_end_to_end_and_resume_mid_epoch(tmp_path,
 def test_bad_reward_stops_training_with_the_sample(tmp_path, monkeypatch):
   module = tmp_path / "wrong.py"
   module.write_text("def f(prompts, completions, **fields):\n  return [0.5]\n")
+  # No held-out set: training starts without one, and the first reward call is on the
+  # first rollout (4 prompts x 2 responses).
   cfg = dataset_cfg(tmp_path, reward=(f"{module}:f",), iterations=1)
-  # The first call is the held-out evaluation at step 0: 4 prompts, one greedy response each.
-  with pytest.raises(ValueError, match=r"reward f .* returned 1 values for 4 completions"):
+  cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, heldout_file=""))
+  with pytest.raises(ValueError, match=r"reward f .* returned 1 values for 8 completions .*"
+                                       r"first: prompt '\d+\+\d='"):
     T.train(cfg, str(tmp_path / "run"), progress=False)
 
 
