@@ -38,7 +38,7 @@ def get_config() -> TrainConfig:
       # The sampler's log-probs are pi_old (float32 model: equal to a recompute, see
       # tests/test_train.py), saving one forward pass over the 64 rows per iteration.
       old_logp="sampler",
-      iterations=20,
+      iterations=10,
       eval_every=0,
       eval_size=64,
       seed=0,
