@@ -33,7 +33,6 @@ import importlib
 import importlib.util
 import inspect
 import math
-import numbers
 import os
 import re
 import sys
@@ -43,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from gspo_jax.tasks.base import RewardError, _show
+from gspo_jax.tasks.base import RewardError, _as_reward, _BadReturn, _show
 
 BatchRewardFn = Callable[..., Sequence[float]]
 
@@ -223,16 +222,11 @@ def _check_values(r: Reward, values: Any, prompts, completions) -> np.ndarray:
                       fn_name=r.name, index=-1)
   out = np.empty(n, np.float64)
   for i, v in enumerate(values):
-    ok = isinstance(v, numbers.Real) or (isinstance(v, np.ndarray) and v.ndim == 0
-                                         and np.issubdtype(v.dtype, np.number)
-                                         and not np.issubdtype(v.dtype, np.complexfloating))
-    if not ok:
-      raise RewardError(f"reward {r.name} ({r.spec}) returned {type(v).__name__} {_show(v)} "
-                        f"at index {i}, not a number; {where(i)}", fn_name=r.name, index=i)
-    out[i] = float(v)
-    if not math.isfinite(out[i]):
-      raise RewardError(f"reward {r.name} ({r.spec}) returned the non-finite value {out[i]} "
-                        f"at index {i}; {where(i)}", fn_name=r.name, index=i)
+    try:
+      out[i] = _as_reward(v)  # the per-example scorer's check: a finite real, bool as 0/1
+    except _BadReturn as e:
+      raise RewardError(f"reward {r.name} ({r.spec}) {e} at index {i}; {where(i)}",
+                        fn_name=r.name, index=i) from None
   return out
 
 

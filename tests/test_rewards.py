@@ -81,7 +81,7 @@ def test_only_the_fields_a_reward_names_are_passed(module_file):
     ("too_few", r"too_few .* returned 3 values for 4 completions"),
     ("nan_on_second", r"nan_on_second .* non-finite value nan at index 1; prompt '2\+2=', "
                       r"completion '5'"),
-    ("text_value", r"text_value .* returned str '1.0' at index 0, not a number"),
+    ("text_value", r"text_value .* returned str '1.0', not a real number at index 0"),
     ("explodes", r"explodes .* raised KeyError: 'answer' on a batch of 4; first: prompt '1\+1='"),
 ])
 def test_bad_rewards_are_rejected_naming_the_function(module_file, fn, match):
