@@ -49,9 +49,10 @@ def prompt_renderer(template: str, *, system_prompt: str = "", bos_token: str = 
 
 
 def tokenizer_renderer(tok, *, system_prompt: str = "") -> Callable[[str], str] | None:
-  """The renderer of a tokenizer's own chat template, or None when it has none. BOS is
-  handed to the template (and stripped from its output) only when the tokenizer prepends
-  one (`tok.bos_id` set); otherwise the template's own text stands."""
+  """The renderer of a tokenizer's own chat template, or None when it has none. When the
+  tokenizer prepends a BOS (`tok.bos_id` set), the template gets its text and any copy it
+  writes is stripped (the trainer adds the id); otherwise `bos_token` is "" (SmolLM2 and
+  Qwen3 templates do not use it; `HFTokenizer` keeps no BOS it does not prepend)."""
   template = getattr(tok, "chat_template", None)
   if not template:
     return None
