@@ -6,9 +6,11 @@ tokens, M = B*G / num_minibatches responses per minibatch.
 Phases and their compile boundaries (each one `jax.jit` with shardings declared, see
 `make_programs`; the mesh is `cfg.mesh`, one CPU by default, any TPU slice or pod):
   rollout: `sampling.sample_groups` (one jit: prefill + decode loop)
+  prepare: `Programs.prepare`: teacher-forced pi_old (or the sampler's) and optional
+           pi_ref; dispatched before scoring, so the device computes it while the host
+           scores (JAX dispatch is asynchronous)
   scoring: host Python on this process's rows (decode text, user reward functions)
-  prepare: `Programs.prepare`: group advantages, teacher-forced pi_old (or the sampler's)
-           and optional pi_ref
+  advantages: `Programs.advantages`: group-normalised advantages into the batch
   update:  `Programs.update` (state donated): a `lax.scan` over the minibatches, one optax
            step each; a non-finite gradient skips that step (counted).
 
@@ -34,6 +36,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from gspo_jax import _checks, checkpoint, configlib, losses, metrics, sampling, sharding
 from gspo_jax.advantages import group_advantages
+from gspo_jax.data import DataConfig
 from gspo_jax.models.config import ModelConfig, tiny
 
 Array = jax.Array
@@ -100,8 +103,13 @@ class SFTConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-  task: str = "addition"
+  task: str = "addition"            # a built-in (gspo_jax.tasks.TASKS) or "dataset"
   task_digits: int = 2
+  # task="dataset": prompts from data.train_file, scored by `reward`: specs
+  # "module:fn", "path/file.py:fn" or a built-in name, each optionally "*weight"
+  # (see gspo_jax/rewards.py); the first one decides correctness.
+  data: DataConfig = DataConfig()
+  reward: tuple[str, ...] = ()
   model: ModelConfig = dataclasses.field(default_factory=lambda: tiny(vocab_size=32))
   rollout: RolloutConfig = RolloutConfig()
   optim: OptimConfig = OptimConfig()
@@ -136,6 +144,12 @@ class TrainConfig:
                        "rollout.prompts_per_iter * rollout.group_size")
     if not (self.eps_low > 0 and self.eps_high > 0):
       raise ValueError("TrainConfig.eps_low and eps_high must be > 0")
+    if self.task == "dataset" and not (self.data.train_file and self.reward):
+      raise ValueError("TrainConfig.task='dataset' needs data.train_file (JSONL) and reward "
+                       "(e.g. reward=my_module:my_reward)")
+    if self.task != "dataset" and (self.data.train_file or self.reward):
+      raise ValueError(f"TrainConfig.data.train_file and reward apply to task='dataset'; "
+                       f"task is {self.task!r}")
 
 
 def check_routing(cfg: TrainConfig) -> None:
@@ -273,13 +287,14 @@ def flatten_rollout(prompts_BxP, lens_B, rollout: sampling.Rollout):
           rollout.mask_BxGxT.reshape(B * G, T), rollout.logp_BxGxT.reshape(B * G, T))
 
 
-def prepare(params, ref_params, prompts_BxP, lens_B, rollout: sampling.Rollout, rewards_BxG, *,
+def prepare(params, ref_params, prompts_BxP, lens_B, rollout: sampling.Rollout, *,
             graphdef, cfg: TrainConfig) -> Batch:
-  """Advantages, pi_old (recomputed or the sampler's), pi_ref (when ref_params is given) and,
-  when `cfg.routing` is not "free", pi_old's expert choices (from the teacher-forced pass:
-  what the trainer's pi_old routes, also when its log-probs are the sampler's)."""
+  """pi_old (recomputed or the sampler's), pi_ref (when ref_params is given) and, when
+  `cfg.routing` is not "free", pi_old's expert choices (from the teacher-forced pass: what
+  the trainer's pi_old routes, also when its log-probs are the sampler's). Advantages are
+  zero until `with_advantages` (the host scores rewards meanwhile)."""
   prompts, lens, tokens, mask, sampler_logp = flatten_rollout(prompts_BxP, lens_B, rollout)
-  adv = group_advantages(rewards_BxG).reshape(-1)
+  adv = jnp.zeros(tokens.shape[:1], jnp.float32)
   temp = cfg.rollout.temperature
   old, experts = sampler_logp, None
   if cfg.old_logp == "recompute" or cfg.routing != "free":
@@ -289,6 +304,11 @@ def prepare(params, ref_params, prompts_BxP, lens_B, rollout: sampling.Rollout, 
   ref = None if ref_params is None else score_logprobs(ref_params, graphdef, prompts, lens,
                                                        tokens, temp)
   return Batch(prompts, lens, tokens, mask, old * mask, adv, ref, experts)
+
+
+def with_advantages(batch: Batch, rewards_BxG) -> Batch:
+  """The batch with A_i = group-normalised rewards (rows in (prompt, response) order)."""
+  return batch.replace(adv_R=group_advantages(rewards_BxG).reshape(-1))
 
 
 # ------------------------------------------------------------------------------ programs
@@ -329,7 +349,8 @@ class Programs:
   """The compiled phases of a run (rollout is `sampling.sample_groups(..., mesh=)`), each one
   `jax.jit` with its shardings and donation declared here."""
   init: Any       # params -> TrainState (fresh optimiser state, step 0)
-  prepare: Any    # (params, ref_params | None, prompts, lens, rollout, rewards) -> Batch
+  prepare: Any    # (params, ref_params | None, prompts, lens, rollout) -> Batch (adv 0)
+  advantages: Any  # (batch, rewards_BxG) -> batch with advantages; the batch is donated
   update: Any     # (state, batch) -> (state, metrics); the state is donated
 
 
@@ -345,8 +366,10 @@ def make_programs(graphdef, tx, cfg: TrainConfig, layout: Layout) -> Programs:
       init=jax.jit(init, in_shardings=(ps,), out_shardings=layout.state),
       prepare=jax.jit(
           functools.partial(prepare, graphdef=graphdef, cfg=cfg),
-          in_shardings=(ps, ref_sh, layout.rows(2), layout.rows(1), layout.rollout, layout.rows(2)),
+          in_shardings=(ps, ref_sh, layout.rows(2), layout.rows(1), layout.rollout),
           out_shardings=layout.batch),
+      advantages=jax.jit(with_advantages, in_shardings=(layout.batch, layout.rows(2)),
+                         out_shardings=layout.batch, donate_argnums=(0,)),
       update=jax.jit(
           functools.partial(update, graphdef=graphdef, tx=tx, cfg=cfg, mesh=layout.mesh),
           in_shardings=(layout.state, layout.batch), out_shardings=(layout.state, rep),
@@ -418,7 +441,7 @@ def decode_completions(tok, tokens_RxT, mask_RxT) -> list[str]:
 
 def heldout(task, cfg: TrainConfig):
   """The fixed held-out set (same for every evaluation of a run)."""
-  return task.sample(np.random.default_rng([cfg.seed, 7_777_777]), cfg.eval_size, "heldout")
+  return task.eval_examples(cfg.seed, cfg.eval_size)
 
 
 def make_tokenizer(task, cfg: TrainConfig, run_dir: str):
@@ -453,13 +476,16 @@ def rollout_step(run: "Run", state: TrainState, ref_params=None):
 
   Multi-host: each process encodes its rows of the prompt batch, decodes and scores the
   responses on its own devices, and feeds its rows of the rewards back; metrics are
-  gathered over processes."""
-  from gspo_jax.tasks.base import score
+  gathered over processes.
+
+  Overlap: pi_old / pi_ref scoring (`prepare`) is dispatched before the host decodes and
+  scores, so the device runs it meanwhile. Nothing more can overlap: the advantages need
+  this batch's rewards, and the next rollout needs the policy this batch updates."""
   cfg, tok, mesh = run.cfg, run.tok, run.layout.mesh
   times, it = {}, int(state.step)
   B = cfg.rollout.prompts_per_iter
-  rng = np.random.default_rng([cfg.seed, it])  # data position = iteration: resume is exact
-  examples = local_examples(run.task.sample(rng, B, "train"), mesh)
+  # Data position = a pure function of (seed, iteration): resume is exact.
+  examples = local_examples(run.task.train_batch(cfg.seed, it, B), mesh)
   prompts_l, lens_l = encode_prompts(tok, examples, cfg.rollout.max_prompt_len)
   prompts, lens = feed(prompts_l, mesh, B), feed(lens_l, mesh, B)
   t0 = time.perf_counter()
@@ -469,18 +495,18 @@ def rollout_step(run: "Run", state: TrainState, ref_params=None):
       mesh=mesh))
   times["time_sample"] = time.perf_counter() - t0
   t0 = time.perf_counter()
+  batch = run.programs.prepare(state.params, ref_params, prompts, lens, rollout)  # async
   tokens, mask = sharding.to_host(rollout.tokens_BxGxT), sharding.to_host(rollout.mask_BxGxT)
   b, G, T = tokens.shape
   texts = decode_completions(tok, tokens.reshape(b * G, T), mask.reshape(b * G, T))
   group_examples = [e for e in examples for _ in range(G)]
-  rewards = score([run.task.reward], group_examples, texts).reshape(b, G)
-  correct = np.array([run.task.is_correct(e, c) for e, c in zip(group_examples, texts)])
+  rewards, correct, parts = run.task.score_batch(group_examples, texts, log=_log)
+  rewards = rewards.reshape(b, G)
   times["time_score"] = time.perf_counter() - t0
   t0 = time.perf_counter()
-  batch = run.programs.prepare(state.params, ref_params, prompts, lens, rollout,
-                               feed(rewards.astype(np.float32), mesh, B))
-  jax.block_until_ready(batch.old_logp_RxT)
-  times["time_old_logp"] = time.perf_counter() - t0
+  batch = run.programs.advantages(batch, feed(rewards.astype(np.float32), mesh, B))
+  jax.block_until_ready(batch.adv_R)
+  times["time_old_logp"] = time.perf_counter() - t0  # what scoring did not hide of prepare
   all_rewards, all_correct = sharding.gather_rows(rewards), sharding.gather_rows(correct)
   lengths = sharding.gather_rows(mask.sum(-1))
   truncated = sharding.gather_rows(sharding.to_host(rollout.truncated_BxG))
@@ -489,6 +515,10 @@ def rollout_step(run: "Run", state: TrainState, ref_params=None):
            "accuracy": all_correct.mean(), "response_length": lengths.mean(),
            "truncated_frac": truncated.mean(), "entropy": entropy,
            "tokens_per_s": lengths.sum() / times["time_sample"], **times}
+  stats.update({k: sharding.gather_rows(v).mean() for k, v in parts.items()})
+  position = run.task.position(it, B)
+  if position is not None:
+    stats["data_epoch"], stats["data_index"] = position
   return batch, stats
 
 
@@ -537,18 +567,38 @@ class Run:
                                programs=make_programs(self.graphdef, self.tx, cfg, layout))
 
 
+def make_task(cfg: TrainConfig):
+  """The built-in task `cfg.task`, or for task="dataset" the JSONL prompts and rewards."""
+  if cfg.task == "dataset":
+    from gspo_jax.data import DatasetTask
+    return DatasetTask(cfg.data, cfg.reward)
+  from gspo_jax.tasks import make_task as builtin
+  return builtin(cfg.task, digits=cfg.task_digits)
+
+
+def with_chat_template(task, tok, cfg: TrainConfig):
+  """A dataset task's prompts rendered with a pretrained tokenizer's own chat template
+  (unless data.chat_template is off or the tokenizer has none); other tasks unchanged."""
+  from gspo_jax import chat
+  from gspo_jax.data import DatasetTask
+  if not (isinstance(task, DatasetTask) and cfg.pretrained and cfg.data.chat_template):
+    return task
+  render = chat.tokenizer_renderer(tok, system_prompt=cfg.data.system_prompt)
+  return task if render is None else task.with_renderer(render)
+
+
 def setup(cfg: TrainConfig, run_dir: str) -> Run:
   """Mesh, task, tokenizer, the sharded model and optimiser state, the compiled phases."""
   from gspo_jax.models.transformer import Transformer
-  from gspo_jax.tasks import make_task
   mesh = sharding.make_mesh(cfg.mesh)
   check_layout(cfg, mesh)
   checkpoint.check_writable(run_dir)
-  task = make_task(cfg.task, digits=cfg.task_digits)
+  task = make_task(cfg)
   if cfg.pretrained:
     from gspo_jax.hf_tokenizer import load_tokenizer
     from gspo_jax.models import hf
     tok = load_tokenizer(cfg.pretrained)
+    task = with_chat_template(task, tok, cfg)
     model = hf.load(cfg.pretrained, mesh=mesh, param_dtype=cfg.pretrained_dtype or None)
     cfg = dataclasses.replace(cfg, model=model.cfg)
     check_routing(cfg)
@@ -626,8 +676,11 @@ def train(cfg: TrainConfig, run_dir: str, *, resume: bool = False, checkpoint_ev
                        "--run-dir")
     start = ckpt.latest_step() if resume else None
     summary: dict[str, Any] = {}
-    evaluate_now = lambda: evaluate.evaluate(run.state.params, run.graphdef, run.task, run.tok,
-                                             held, cfg, mesh=mesh)["accuracy"]
+    if not held:
+      _log("no held-out set (data.heldout_file / data.heldout_fraction): held-out accuracy "
+           "is reported as nan")
+    evaluate_now = lambda: float("nan") if not held else evaluate.evaluate(
+        run.state.params, run.graphdef, run.task, run.tok, held, cfg, mesh=mesh)["accuracy"]
     if start is not None:
       run.state = ckpt.restore(run.state)
       _log(f"resumed from checkpoint step {start} in {run_dir}")
@@ -636,6 +689,12 @@ def train(cfg: TrainConfig, run_dir: str, *, resume: bool = False, checkpoint_ev
                                     mesh=mesh, log=_log)
       run.state = run.programs.init(params)
       ckpt.maybe_save(0, run.state, force=True)
+    position = run.task.position(int(run.state.step), cfg.rollout.prompts_per_iter)
+    if position is not None:
+      _log(f"data position at step {int(run.state.step)}: epoch {position[0]}, index "
+           f"{position[1]} of {len(run.task.train_records)} training records")
+    first = run.task.train_batch(cfg.seed, int(run.state.step), cfg.rollout.prompts_per_iter)[0]
+    _log(f"first prompt as the model sees it: {first.prompt!r}")
     summary["heldout_accuracy_start"] = evaluate_now()
     _log(f"held-out accuracy at step {int(run.state.step)}: "
          f"{summary['heldout_accuracy_start']:.3f}")

@@ -69,6 +69,29 @@ class Task(abc.ABC):
     """1.0 when `is_correct`, else 0.0. Subclasses may add partial credit below 1.0."""
     return 1.0 if self.is_correct(example, completion) else 0.0
 
+  def train_batch(self, seed: int, step: int, n: int) -> list[Example]:
+    """The `n` training prompts of iteration `step`: a pure function of (seed, step), so a
+    resumed run sees the prompts an uninterrupted one would."""
+    return self.sample(np.random.default_rng([seed, step]), n, "train")
+
+  def position(self, step: int, batch: int) -> tuple[int, int] | None:
+    """(epoch, index) in a finite dataset of iteration `step`'s first prompt; None for a
+    generated task (no epochs)."""
+    return None
+
+  def eval_examples(self, seed: int, n: int) -> list[Example]:
+    """The fixed held-out set of a run (the same for every evaluation)."""
+    return self.sample(np.random.default_rng([seed, 7_777_777]), n, "heldout")
+
+  def score_batch(self, examples: Sequence[Example], completions: Sequence[str], *,
+                  log: Callable[[str], None] = print):
+    """(rewards_R float32, correct_R bool, reward components {"reward/<name>": values_R})
+    of decoded completions, one Example per completion. Tasks with several reward
+    functions report each component; here there is one, `reward`."""
+    rewards = score([self.reward], examples, completions)
+    correct = np.array([self.is_correct(e, c) for e, c in zip(examples, completions)], bool)
+    return rewards, correct, {}
+
   def corpus(self, rng: np.random.Generator, n: int) -> list[str]:
     """`n` texts prompt + demonstration, to train a tokenizer on.
 

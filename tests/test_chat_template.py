@@ -1,0 +1,78 @@
+"""Chat templates: rendered exactly as the model's jinja2 template says, sandboxed, BOS
+never doubled, and applied only to a pretrained tokenizer's dataset prompts."""
+
+import json
+
+import jinja2
+import pytest
+
+from gspo_jax import chat
+from gspo_jax import data as D
+from gspo_jax import train as T
+
+# SmolLM2-135M-Instruct's template (tokenizer_config.json), ChatML with a default system turn.
+SMOLLM2 = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+           "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by "
+           "Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + "
+           "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
+           "{{ '<|im_start|>assistant\n' }}{% endif %}")
+LLAMA_LIKE = ("{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n"
+              "{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}")
+
+
+def test_chatml_rendering_is_exact():
+  render = chat.prompt_renderer(SMOLLM2)
+  assert render("What is 2+3?") == (
+      "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+      "Face<|im_end|>\n<|im_start|>user\nWhat is 2+3?<|im_end|>\n<|im_start|>assistant\n")
+  # A system prompt replaces the template's default one.
+  assert chat.prompt_renderer(SMOLLM2, system_prompt="Be brief.")("hi") == (
+      "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+      "<|im_start|>assistant\n")
+
+
+class FakeTok:
+  """Just what the renderer and encode_prompts read: ids are characters, "<s>" is BOS."""
+  bos_id, eos_id, pad_id = 1, 2, 0
+  chat_template = LLAMA_LIKE
+
+  def decode(self, ids):
+    return {1: "<s>", 2: "</s>"}[ids[0]]
+
+  def encode(self, text):
+    return [1 if text.startswith("<s>", i) else 3 + ord(ch) % 50 for i, ch in enumerate(text)]
+
+
+def test_bos_is_not_doubled():
+  tok = FakeTok()
+  render = chat.tokenizer_renderer(tok)
+  text = render("hi")
+  assert text == "[user] hi\n[assistant] "  # the template's BOS text is taken out again
+  ids, lens = T.encode_prompts(tok, [D.Example(prompt=text, answer="")], 32)
+  assert list(ids[0, :lens[0]]).count(tok.bos_id) == 1 and ids[0, 0] == tok.bos_id
+
+
+def test_templates_are_sandboxed_and_may_raise():
+  with pytest.raises(jinja2.exceptions.SecurityError):
+    chat.prompt_renderer("{{ ''.__class__.__mro__[1].__subclasses__() }}")("x")
+  with pytest.raises(jinja2.exceptions.TemplateError, match="only user turns"):
+    chat.prompt_renderer("{{ raise_exception('only user turns') }}")("x")
+
+
+def test_applied_only_to_pretrained_dataset_prompts(tmp_path):
+  path = tmp_path / "d.jsonl"
+  path.write_text(json.dumps({"prompt": "2+3?", "answer": "5"}) + "\n")
+  task = D.DatasetTask(D.DataConfig(train_file=str(path)), ["exact_match"])
+  tok = FakeTok()
+  base = dict(task="dataset", reward=("exact_match",), pretrained="some/dir")
+  on = T.TrainConfig(data=D.DataConfig(train_file=str(path)), **base)
+  off = T.TrainConfig(data=D.DataConfig(train_file=str(path), chat_template=False), **base)
+  shown = T.with_chat_template(task, tok, on).train_batch(0, 0, 1)[0]
+  assert shown.prompt == "[user] 2+3?\n[assistant] " and shown.meta["prompt"] == "2+3?"
+  assert T.with_chat_template(task, tok, off).train_batch(0, 0, 1)[0].prompt == "2+3?"
+  tok.chat_template = None
+  assert T.with_chat_template(task, tok, on) is task
+  # Rewards see the user's text, not the rendered prompt.
+  rendered = T.with_chat_template(task, FakeTok(), on)
+  r, correct, parts = rendered.score_batch(rendered.train_batch(0, 0, 1), ["5"])
+  assert r.tolist() == [1.0] and correct.tolist() == [True]
