@@ -69,7 +69,7 @@ def summarise(runs) -> dict:
 def plot(runs, out: str) -> list[str]:
   return _runs.standard_plots(runs, out, COLOURS) + [
       _runs.plot_curves(runs, out, "routing_changed.png", "routing_changed",
-                        "expert sets changed vs pi_old (mean over minibatches)", smooth=10,
+                        "expert sets changed vs pi_old", smooth=10,
                         colours=COLOURS),
       _runs.plot_curves(runs, out, "ratio_range.png", "ratio_max",
                         "largest importance ratio in the update", log=True, colours=COLOURS)]

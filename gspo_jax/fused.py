@@ -60,8 +60,8 @@ def _iteration(state: train.TrainState, prompts_BxP, lens_B, answer_BxA, answer_
   key = jax.random.fold_in(state.key, 2 * state.step)  # the phased loop's sampling key
   rollout = sampling.sample_groups(model, prompts_BxP, lens_B, key, scfg)
   rewards_BxG = exact_match_reward(rollout.tokens_BxGxT, answer_BxA, answer_lens_B, scfg.eos_id)
-  batch = train.prepare(state.params, None, prompts_BxP, lens_B, rollout, rewards_BxG,
-                        graphdef=graphdef, cfg=cfg)
+  batch = train.with_advantages(train.prepare(state.params, None, prompts_BxP, lens_B, rollout,
+                                              graphdef=graphdef, cfg=cfg), rewards_BxG)
   state, metrics = train.update(state, batch, graphdef=graphdef, tx=tx, cfg=cfg)
   return state, {**metrics, "reward_mean": jnp.mean(rewards_BxG),
                  "response_length": jnp.mean(rollout.lengths_BxG.astype(jnp.float32))}
