@@ -103,11 +103,7 @@ def sample_pass_at_k(params, graphdef, task, tok, examples, cfg: "T.TrainConfig"
   """pass@k (mean over examples) from n responses per example, sampled like the rollouts
   (temperature, top-p, top-k of cfg.rollout). Returns the metric, the mean reward, the
   per-example correct counts and this process's (example, texts)."""
-  r = cfg.rollout
-  scfg = sampling.SamplerConfig(group_size=n, max_new_tokens=r.max_new_tokens,
-                                eos_id=tok.eos_id, pad_id=tok.pad_id,
-                                max_prompt_len=r.max_prompt_len, temperature=r.temperature,
-                                top_p=r.top_p, top_k=r.top_k, vocab_limit=tok.vocab_size)
+  scfg = dataclasses.replace(T.sampler_config(tok, cfg), group_size=n)
   correct, rewards, shown = _responses(params, graphdef, task, tok, examples, cfg, scfg,
                                        mesh=mesh, batch=batch, seed=seed)
   counts = correct.sum(-1)
