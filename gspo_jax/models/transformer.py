@@ -56,11 +56,14 @@ class ModelOutput:
 
 @flax.struct.dataclass
 class KVCache:
-  """Shared prompt keys (one per row) and per-response keys, per layer (`Layers`)."""
-  prefix_k: Layers              # per layer (B, P, C, H)
+  """Shared prompt keys (one per row) and per-response keys, per layer (`Layers`).
+
+  Heads-first layout (see `attend`): decode steps read the caches in place.
+  """
+  prefix_k: Layers              # per layer (B, C, P, H)
   prefix_v: Layers
   prefix_valid_BxP: Array        # bool
-  k: Layers                     # per layer (B, G, T, C, H)
+  k: Layers                     # per layer (B, G, C, T, H)
   v: Layers
   index: Array                   # int32 scalar: the slot the next token is written to
 
@@ -68,11 +71,14 @@ class KVCache:
   def from_prefill(cls, out: ModelOutput, valid_BxP: Array, group_size: int, max_len: int):
     B, P, C, H = out.k[0].shape
     if isinstance(out.k, tuple):
-      empty = lambda xs: tuple(jnp.zeros((B, group_size, max_len, C, H), x.dtype) for x in xs)
-    else:
-      empty = lambda x: jnp.zeros((x.shape[0], B, group_size, max_len, C, H), x.dtype)
-    return cls(prefix_k=out.k, prefix_v=out.v, prefix_valid_BxP=valid_BxP.astype(bool),
-               k=empty(out.k), v=empty(out.v), index=jnp.zeros((), jnp.int32))
+      heads_first = lambda xs: tuple(jnp.swapaxes(x, 1, 2) for x in xs)
+      empty = lambda xs: tuple(jnp.zeros((B, group_size, C, max_len, H), x.dtype) for x in xs)
+    else:  # stacked layers: (L, B, P, C, H)
+      heads_first = lambda x: jnp.swapaxes(x, 2, 3)
+      empty = lambda x: jnp.zeros((x.shape[0], B, group_size, C, max_len, H), x.dtype)
+    return cls(prefix_k=heads_first(out.k), prefix_v=heads_first(out.v),
+               prefix_valid_BxP=valid_BxP.astype(bool), k=empty(out.k), v=empty(out.v),
+               index=jnp.zeros((), jnp.int32))
 
 
 # cfg.remat -> the jax.checkpoint policy of each layer in the backward pass.
@@ -194,7 +200,7 @@ class Transformer(nnx.Module):
              ) -> tuple[Array, KVCache]:
     """One token per response: write its keys at `cache.index`, attend, return hidden_BxGxD."""
     B, G = tokens_BxG.shape
-    T = cache.k[0].shape[2]
+    T = cache.k[0].shape[3]
     pos = positions_BxG.reshape(B * G, 1)
     x = self._embed(tokens_BxG.reshape(B * G, 1))
     prefix_mask = cache.prefix_valid_BxP[:, None, None, :]          # (B, 1, 1, P)
@@ -203,11 +209,13 @@ class Transformer(nnx.Module):
     def layer_fn(graphdef, params, x, k_buf, v_buf, prefix_k, prefix_v):
       layer = nnx.merge(graphdef, params)
       q, k, v = layer.attn.qkv(layer.attn_norm(x), pos)
+      # (B*G, 1, C, H) -> slot `index` of the (B, G, C, T, H) cache.
       put = lambda buf, x1: jax.lax.dynamic_update_slice(
-          buf, x1.reshape(B, G, 1, *x1.shape[2:]).astype(buf.dtype), (0, 0, cache.index, 0, 0))
+          buf, x1.reshape(B, G, *x1.shape[2:])[:, :, :, None].astype(buf.dtype),
+          (0, 0, 0, cache.index, 0))
       k_buf, v_buf = put(k_buf, k), put(v_buf, v)
       o = attend(q.reshape(B, G, 1, *q.shape[2:]), shared=(prefix_k, prefix_v, prefix_mask),
-                 own=(k_buf, v_buf, own_mask))
+                 own=(k_buf, v_buf, own_mask), heads_first=True)
       x = x + layer.attn.out(o.reshape(B * G, 1, *o.shape[3:])).astype(x.dtype)
       x, _, _ = layer.feed_forward(x, None, None)
       return x, (k_buf, v_buf)
@@ -221,8 +229,8 @@ class Transformer(nnx.Module):
         x, k_all, v_all, i = carry
         x, (k_i, v_i) = layer_fn(graphdef, xs[0], x, k_all[i], v_all[i], *xs[1:])
         write = lambda buf, new: jax.lax.dynamic_update_slice(
-            buf, jax.lax.dynamic_slice_in_dim(new, cache.index, 1, 2)[None],
-            (i, 0, 0, cache.index, 0, 0))
+            buf, jax.lax.dynamic_slice_in_dim(new, cache.index, 1, 3)[None],
+            (i, 0, 0, 0, cache.index, 0))
         return (x, write(k_all, k_i), write(v_all, v_i), i + 1), None
 
       (x, new_k, new_v, _), _ = jax.lax.scan(
