@@ -1,0 +1,518 @@
+"""Side by side with tunix (google-tunix): the same tiny Qwen3, the same weights, the same work.
+
+    python3.11 -m venv /work/venv-tunix
+    /work/venv-tunix/bin/pip install -r requirements.txt google-tunix==0.1.7
+    /work/venv-tunix/bin/python experiments/peer_tunix.py      # a few minutes on 2 CPU cores
+
+tunix is not a dependency of gspo_jax: it is imported only inside this script, which stops
+with a message (exit code 2) when it is missing. Writes experiments/results/peer_tunix.json.
+
+What is compared, and why it is the same work on both sides:
+
+* Model. One Qwen3 configuration built twice: ours (`gspo_jax.models`, q/k RMSNorm on) and
+  tunix's `tunix.models.qwen3.model.Qwen3`, float32 both. Our initial weights are copied
+  into theirs tensor by tensor (the layouts agree: q (D, N, H), k/v (D, C, H), o (N, H, D),
+  MLP (in, out)), and the logits of both on the same tokens are compared: the max
+  difference is printed and stored. tunix 0.1.7's Qwen3 ignores `ModelConfig.rope_theta`
+  (its `apply_rope` is always called with the default 1e6), so we use theta = 1e6.
+* Generated tokens/s. B prompts of P tokens, G responses each, exactly T new tokens,
+  temperature 1, no top-k / top-p. No response may stop early: the EOS id is set to V (one
+  past the vocabulary), which the sampler can never draw, on both sides. Ours:
+  `gspo_jax.sampling.sample_groups` (one compiled program; each prompt prefilled once and
+  its KV cache shared by its G responses), results fetched to the host. Theirs: what
+  tunix's GRPO learner runs for a rollout: the prompts repeated G times (each prompt's
+  copies adjacent, as `RLLearner` does with `np.repeat`), given as strings to
+  `VanillaRollout.generate` (the `Sampler`: a jitted prefill, then a jitted
+  `lax.while_loop` of decode steps, then detokenisation on the host), with a KV cache of
+  exactly P + T slots (the smallest it accepts; its default is 1024). The tokenizer is a
+  trivial whitespace-separated-ids one, so host text work is negligible. Ours is also run
+  with the prompts repeated G times (group size 1), to show how much of the difference is
+  prefix sharing.
+* Update step. One GSPO policy-gradient step on the same B*G rows of P + T tokens (one
+  minibatch), the same pi_old log-probs and advantages, the same optax optimizer (ours:
+  `train.make_optimizer`, AdamW lr 1e-4 with global-norm clip 1.0, handed to both), float32.
+  Ours: `gspo_jax.train.update` under `jax.jit` with the state donated (as in
+  `benchmark.py train`), loss "gspo". Theirs: the jitted step tunix's RL trainer runs: a
+  `tunix.rl.trainer.Trainer` (a `PeftTrainer`) with the loss function and model-input
+  function set exactly as `GRPOLearner.__init__` sets them (`algo_core.grpo_loss_fn` with
+  `GRPOConfig(loss_algo="gspo-token", beta=0)`), and the step from
+  `Trainer.jit_train_and_eval_step(cache_nnx_graph=True)` (what `Trainer.train` calls: an
+  `nnx.jit` of value_and_grad + `optimizer.update` with the optimizer donated), called on a
+  `TrainExample`. GSPO-token with per-sequence advantages has GSPO's value and gradient,
+  so both sides compute the same loss: the first step's loss and gradient norm of both,
+  and the parameters after it, are compared and stored. tunix's clip bounds are
+  epsilon = 3e-4 and an `epsilon_high` attribute of 4e-4 (its loss reads it with
+  `hasattr`; `GRPOConfig` has no such field), the paper's GSPO range, as ours.
+* Timing. Each figure is the median of `--sampling-repeats` / `--update-repeats` calls
+  after a first call (reported separately: it includes compilation). The calls of the two
+  sides alternate (ours, theirs, ours, theirs, ...) so that both see the same machine
+  load; "paired" ratios are the median of the per-round ratios. The load average is
+  recorded before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.metadata
+import json
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from experiments import benchmark  # noqa: E402
+from gspo_jax import sampling, train  # noqa: E402
+from gspo_jax.models import config as our_config  # noqa: E402
+from gspo_jax.models import transformer  # noqa: E402
+
+RESULT = os.path.join(ROOT, "experiments", "results", "peer_tunix.json")
+TARGET_SPEEDUP = 2.0
+# Stored in the record: exactly what each side's timed call runs.
+WHAT_RUNS = {
+    "sampling_ours": "jax.device_get(gspo_jax.sampling.sample_groups(model, prompts_BxP, lens, "
+                     "key, SamplerConfig(group_size=G, eos_id=V, ...)))",
+    "sampling_ours_repeated_prompts": "the same with prompts repeated G times and group_size=1",
+    "sampling_theirs": "tunix.rl.rollout.vanilla_rollout.VanillaRollout(model, tokenizer, "
+                       "CacheConfig(cache_size=P+T)).generate(B*G prompt strings, "
+                       "RolloutConfig(max_tokens_to_generate=T, temperature=1.0, top_p=1.0, "
+                       "top_k=None, max_prompt_length=P, eos_tokens=[V]))",
+    "update_ours": "jax.jit(gspo_jax.train.update, donate state)(state, batch); loss 'gspo', "
+                   "1 minibatch",
+    "update_theirs": "tunix.rl.trainer.Trainer(model, optimizer, TrainingConfig)"
+                     ".with_loss_fn(grpo_loss_fn wrapper as in GRPOLearner, has_aux=True)"
+                     ".with_gen_model_input_fn(as in GRPOLearner).jit_train_and_eval_step("
+                     "cache_nnx_graph=True)[0](TrainExample); GRPOConfig(loss_algo='gspo-token', "
+                     "beta=0, epsilon=3e-4) + epsilon_high=4e-4",
+    "optimizer_both": "gspo_jax.train.make_optimizer(OptimConfig()): clip_by_global_norm(1.0), "
+                      "adamw(lr=1e-4, b1=0.9, b2=0.99, weight_decay=0)",
+}
+
+
+def import_tunix():
+  """The tunix modules this script drives, or exit 2 with how to install them."""
+  try:
+    from tunix.generate import utils as gen_utils
+    from tunix.models.qwen3 import model as qwen3
+    from tunix.rl import algo_core, common
+    from tunix.rl import trainer as rl_trainer
+    from tunix.rl.grpo import grpo_learner
+    from tunix.rl.rollout import base_rollout, vanilla_rollout
+    from tunix.sft import peft_trainer
+  except ImportError as e:
+    print(f"peer_tunix.py needs tunix ({e}). Make a separate venv:\n"
+          f"  python3.11 -m venv /work/venv-tunix\n"
+          f"  /work/venv-tunix/bin/pip install -r requirements.txt google-tunix==0.1.7\n"
+          f"  /work/venv-tunix/bin/python experiments/peer_tunix.py", file=sys.stderr)
+    sys.exit(2)
+  return argparse.Namespace(
+      qwen3=qwen3, gen_utils=gen_utils, algo_core=algo_core, common=common,
+      rl_trainer=rl_trainer, grpo_learner=grpo_learner, base_rollout=base_rollout,
+      vanilla_rollout=vanilla_rollout, peft_trainer=peft_trainer)
+
+
+# ------------------------------------------------------------------------------ the model
+
+
+def our_model_config(args) -> our_config.ModelConfig:
+  return our_config.ModelConfig(
+      vocab_size=args.vocab, hidden=args.hidden, num_layers=args.layers,
+      num_heads=args.heads, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
+      mlp_dim=args.mlp, rope_theta=1e6, rms_eps=1e-6, qk_norm=True,
+      tie_embeddings=args.tie_embeddings, dtype="float32", param_dtype="float32")
+
+
+def their_model_config(tx, cfg: our_config.ModelConfig):
+  """tunix's Qwen3 config with the same fields (their hidden_dim = our mlp_dim)."""
+  return tx.qwen3.ModelConfig(
+      num_layers=cfg.num_layers, vocab_size=cfg.vocab_size, embed_dim=cfg.hidden,
+      hidden_dim=cfg.mlp_dim, num_heads=cfg.num_heads, head_dim=cfg.head_dim,
+      num_kv_heads=cfg.num_kv_heads, rope_theta=int(cfg.rope_theta), norm_eps=cfg.rms_eps,
+      use_tied_embedding=cfg.tie_embeddings, dtype=jnp.float32, param_dtype=jnp.float32)
+
+
+def weight_pairs(ours, theirs) -> list[tuple[str, nnx.Variable, nnx.Variable]]:
+  """(name, our parameter, their parameter) for every tensor; the layouts are the same."""
+  pairs = [("embed", ours.embed, theirs.embedder.input_embedding),
+           ("final_norm", ours.final_norm.weight, theirs.final_norm.w)]
+  if ours.lm_head is not None:
+    pairs.append(("lm_head", ours.lm_head, theirs.lm_head.w))
+  for i, (a, b) in enumerate(zip(ours.layers, theirs.layers)):
+    pairs += [(f"layers.{i}.{name}", x, y) for name, x, y in (
+        ("attn_norm", a.attn_norm.weight, b.input_layernorm.w),
+        ("mlp_norm", a.mlp_norm.weight, b.post_attention_layernorm.w),
+        ("attn.q", a.attn.q, b.attn.q_proj.w), ("attn.k", a.attn.k, b.attn.k_proj.w),
+        ("attn.v", a.attn.v, b.attn.v_proj.w), ("attn.o", a.attn.o, b.attn.o_proj.w),
+        ("attn.q_norm", a.attn.q_norm.weight, b.attn.q_norm.w),
+        ("attn.k_norm", a.attn.k_norm.weight, b.attn.k_norm.w),
+        ("mlp.gate", a.mlp.gate, b.mlp.gate_proj.kernel),
+        ("mlp.up", a.mlp.up, b.mlp.up_proj.kernel),
+        ("mlp.down", a.mlp.down, b.mlp.down_proj.kernel))]
+  return pairs
+
+
+def their_model_from(tx, ours):
+  """A tunix Qwen3 holding copies of our model's weights (every one of its parameters)."""
+  theirs = tx.qwen3.Qwen3(their_model_config(tx, ours.cfg), rngs=nnx.Rngs(1))
+  pairs = weight_pairs(ours, theirs)
+  for name, a, b in pairs:
+    if a[...].shape != b[...].shape:
+      raise ValueError(f"{name}: our shape {a[...].shape} != their shape {b[...].shape}")
+    b.value = jnp.array(a[...], copy=True)
+  n_theirs = len(jax.tree.leaves(nnx.state(theirs, nnx.Param)))
+  if n_theirs != len(pairs):
+    raise ValueError(f"copied {len(pairs)} tensors but tunix's model has {n_theirs}")
+  return theirs
+
+
+def logits_check(tx, ours, theirs, tokens_BxS) -> dict:
+  """Max |logit difference| of the two models on the same tokens (full causal forward)."""
+  B, S = tokens_BxS.shape
+  positions = jnp.broadcast_to(jnp.arange(S), (B, S))
+  ours_logits = ours.logits(ours(tokens_BxS, positions).hidden_BxSxD)
+  mask = tx.gen_utils.make_causal_attn_mask(jnp.ones((B, S), bool), S)
+  their_logits, _ = theirs(tokens_BxS, positions, None, mask)
+  diff = jnp.abs(ours_logits - their_logits)
+  return {"tokens": [B, S], "max_abs_diff": float(diff.max()),
+          "mean_abs_diff": float(diff.mean()), "max_abs_logit": float(jnp.abs(ours_logits).max())}
+
+
+def param_count(model) -> int:
+  return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+# ------------------------------------------------------------------------------ timing
+
+
+def first_call(fn) -> tuple[float, object]:
+  t0 = time.perf_counter()
+  out = fn()
+  return time.perf_counter() - t0, out
+
+
+def interleaved(fns: dict, repeats: int) -> dict[str, list[float]]:
+  """Wall seconds of each callable, called in turn (A, B, A, B, ...) `repeats` times each.
+
+  Each callable returns only when its work is done (on the host or blocked on)."""
+  times = {name: [] for name in fns}
+  for _ in range(repeats):
+    for name, fn in fns.items():
+      t0 = time.perf_counter()
+      fn()
+      times[name].append(time.perf_counter() - t0)
+  return times
+
+
+def paired_speedup(times: dict[str, list[float]], slow: str, fast: str) -> float:
+  """Median over rounds of slow / fast seconds: each ratio compares calls made back to back."""
+  return statistics.median(a / b for a, b in zip(times[slow], times[fast]))
+
+
+# ------------------------------------------------------------------------------ sampling
+
+
+class IdTokenizer:
+  """Text = token ids separated by spaces: the cheapest tokenizer tunix's sampler accepts."""
+
+  def __init__(self, eos: int):
+    self.eos = eos
+
+  def encode(self, text: str, **_) -> list[int]:
+    return [int(t) for t in text.split()]
+
+  def decode(self, ids, **_) -> str:
+    return " ".join(map(str, ids))
+
+  def bos_id(self):
+    return None  # no BOS prepended
+
+  def eos_id(self) -> int:
+    return self.eos
+
+  def pad_id(self) -> int:
+    return 0
+
+
+def our_sampler(model, prompts_BxP, args):
+  """Ours: one `sample_groups` call (prefix shared by the G responses), fetched to host."""
+  B, P = prompts_BxP.shape
+  cfg = sampling.SamplerConfig(group_size=args.group, max_new_tokens=args.new_tokens,
+                               eos_id=args.vocab, pad_id=0, max_prompt_len=P, temperature=1.0)
+  lens = jnp.full((B,), P, jnp.int32)
+  key = jax.random.key(0)
+  return lambda: jax.device_get(sampling.sample_groups(model, prompts_BxP, lens, key, cfg))
+
+
+def our_sampler_repeated(model, prompts_BxP, args):
+  """Ours without prefix sharing: each prompt repeated G times, one response per row."""
+  rows = jnp.repeat(prompts_BxP, args.group, axis=0)
+  return our_sampler(model, rows, argparse.Namespace(**{**vars(args), "group": 1}))
+
+
+def their_sampler(tx, theirs, prompts_BxP, args):
+  """Theirs: `VanillaRollout.generate` on the prompts repeated G times, as GRPOLearner."""
+  B, P = prompts_BxP.shape
+  T = args.new_tokens
+  cfg = theirs.config
+  rollout = tx.vanilla_rollout.VanillaRollout(
+      theirs, IdTokenizer(eos=args.vocab),
+      tx.base_rollout.CacheConfig(cache_size=P + T, num_layers=cfg.num_layers,
+                                  num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim))
+  rollout_cfg = tx.base_rollout.RolloutConfig(
+      max_tokens_to_generate=T, temperature=1.0, top_p=1.0, top_k=None, max_prompt_length=P,
+      kv_cache_size=P + T, eos_tokens=[args.vocab], seed=None)  # None: PRNGKey(0) per call
+  texts = [" ".join(map(str, row)) for row in np.repeat(np.asarray(prompts_BxP), args.group, 0)]
+  return lambda: rollout.generate(texts, rollout_cfg)
+
+
+def bench_sampling(tx, ours, theirs, args) -> dict:
+  B, P, G, T = args.prompts, args.prompt_len, args.group, args.new_tokens
+  rng = np.random.default_rng(0)
+  prompts = jnp.asarray(rng.integers(1, args.vocab, (B, P)), jnp.int32)  # 0 is padding
+  fns = {"ours": our_sampler(ours, prompts, args),
+         "theirs": their_sampler(tx, theirs, prompts, args),
+         "ours_repeated_prompts": our_sampler_repeated(ours, prompts, args)}
+  first, outputs = {}, {}
+  for name, fn in fns.items():
+    first[name], outputs[name] = first_call(fn)
+  # Every response must be exactly T tokens long on both sides (no EOS can be drawn).
+  ours_len = int(outputs["ours"].lengths_BxG.min()), int(outputs["ours"].lengths_BxG.max())
+  their_len = (min(map(len, outputs["theirs"].tokens)), max(map(len, outputs["theirs"].tokens)))
+  if ours_len != (T, T) or their_len != (T, T) or len(outputs["theirs"].tokens) != B * G:
+    raise RuntimeError(f"responses not all {T} tokens: ours {ours_len}, theirs {their_len}")
+  times = interleaved(fns, args.sampling_repeats)
+  tokens = B * G * T
+  out = {"B": B, "P": P, "G": G, "T": T, "generated_tokens": tokens,
+         "response_lengths_ours": ours_len, "response_lengths_theirs": their_len}
+  for name in fns:
+    sec = statistics.median(times[name])
+    out[name] = {"seconds": sec, "all_seconds": times[name], "tokens_per_s": tokens / sec,
+                 "first_call_seconds": first[name]}
+  out["speedup_ours_over_theirs"] = out["theirs"]["seconds"] / out["ours"]["seconds"]
+  out["speedup_ours_repeated_over_theirs"] = (out["theirs"]["seconds"] /
+                                              out["ours_repeated_prompts"]["seconds"])
+  out["speedup_paired"] = paired_speedup(times, "theirs", "ours")
+  out["speedup_repeated_paired"] = paired_speedup(times, "theirs", "ours_repeated_prompts")
+  return out
+
+
+# ------------------------------------------------------------------------------ update
+
+
+def update_batch(ours, args) -> train.Batch:
+  """B*G rows of P + T random tokens (no 0: tunix treats id 0 as padding), every response
+  token counted, advantages N(0, 1) and pi_old = the current policy's log-probs plus
+  N(0, 0.01) noise (so that some sequences are clipped, as in a later minibatch)."""
+  R, P, T = args.prompts * args.group, args.prompt_len, args.new_tokens
+  rng = np.random.default_rng(1)
+  prompts = jnp.asarray(rng.integers(1, args.vocab, (R, P)), jnp.int32)
+  tokens = jnp.asarray(rng.integers(1, args.vocab, (R, T)), jnp.int32)
+  lens = jnp.full((R,), P, jnp.int32)
+  graphdef, params = nnx.split(ours, nnx.Param)
+  logp = jax.jit(train.score_logprobs, static_argnums=(1,))(params, graphdef, prompts, lens,
+                                                          tokens, 1.0)
+  noise = jnp.asarray(rng.normal(0.0, 0.01, (R, T)), jnp.float32)
+  return train.Batch(prompts_RxP=prompts, prompt_lens_R=lens, tokens_RxT=tokens,
+                     mask_RxT=jnp.ones((R, T), jnp.float32), old_logp_RxT=logp + noise,
+                     adv_R=jnp.asarray(rng.normal(0.0, 1.0, (R,)), jnp.float32))
+
+
+def our_train_config(model_cfg, args) -> train.TrainConfig:
+  return train.TrainConfig(
+      model=model_cfg, loss="gspo", eps_low=3e-4, eps_high=4e-4, num_minibatches=1, kl_coef=0.0,
+      rollout=train.RolloutConfig(prompts_per_iter=args.prompts, group_size=args.group,
+                                  max_new_tokens=args.new_tokens, max_prompt_len=args.prompt_len,
+                                  temperature=1.0))
+
+
+class OurUpdate:
+  """Ours: `train.update` jitted with the TrainState donated, one minibatch."""
+
+  def __init__(self, ours, batch: train.Batch, args):
+    cfg = our_train_config(ours.cfg, args)
+    graphdef, params = nnx.split(ours, nnx.Param)
+    params = jax.tree.map(jnp.copy, params)  # the state is donated: keep `ours` intact
+    self.tx = train.make_optimizer(cfg.optim)
+    self.graphdef, self.batch = graphdef, batch
+    self.state = train.TrainState(params=params, opt_state=self.tx.init(params),
+                                  step=jnp.zeros((), jnp.int32), key=jax.random.key(0))
+    self.step = jax.jit(lambda s, b: train.update(s, b, graphdef=graphdef, tx=self.tx, cfg=cfg),
+                        donate_argnums=(0,))
+
+  def __call__(self) -> dict:
+    self.state, metrics = self.step(self.state, self.batch)
+    return jax.device_get(metrics)
+
+  def model(self):
+    return nnx.merge(self.graphdef, self.state.params)
+
+
+class TheirUpdate:
+  """Theirs: the train step of tunix's RL `Trainer`, set up as `GRPOLearner` sets it up."""
+
+  def __init__(self, tx, theirs, batch: train.Batch, optimizer, args):
+    algo = tx.grpo_learner.GRPOConfig(num_generations=args.group, num_iterations=1, beta=0.0,
+                                      epsilon=3e-4, loss_algo="gspo-token")
+    algo.epsilon_high = 4e-4   # read by grpo_loss_fn with hasattr()
+    algo.temperature = 1.0     # GRPOLearner copies the rollout temperature here
+    pad_id, eos_id = 0, args.vocab
+    loss_fn = lambda model, train_example, algo_config: tx.algo_core.grpo_loss_fn(
+        model, train_example, algo_config=algo, pad_id=pad_id, eos_id=eos_id)
+    self.trainer = tx.rl_trainer.Trainer(
+        theirs, optimizer, tx.peft_trainer.TrainingConfig(eval_every_n_steps=10**9),
+        custom_checkpoint_metadata_fn=lambda: {})
+    self.trainer.with_loss_fn(loss_fn, has_aux=True)
+    self.trainer.with_gen_model_input_fn(lambda x: {"train_example": x, "algo_config": algo})
+    self.step, _ = self.trainer.jit_train_and_eval_step(skip_jit=False, cache_nnx_graph=True)
+    self.example = their_example(tx, batch)
+
+  def __call__(self) -> dict:
+    loss, aux, grad_norm = self.step(self.example)
+    return jax.device_get({"loss": loss, "grad_norm": grad_norm, **aux})
+
+
+def their_example(tx, b: train.Batch):
+  """The same rows as tunix's `TrainExample` (prompts unpadded, so left = right padding)."""
+  return tx.common.TrainExample(
+      prompt_ids=b.prompts_RxP, prompt_mask=jnp.ones(b.prompts_RxP.shape, bool),
+      completion_ids=b.tokens_RxT, completion_mask=b.mask_RxT.astype(bool),
+      advantages=b.adv_R, ref_per_token_logps=None, old_per_token_logps=b.old_logp_RxT)
+
+
+def max_abs_diff(ours, theirs) -> float:
+  """Largest |our parameter - their parameter| over all tensors."""
+  return max(float(jnp.abs(a[...] - b[...]).max()) for _, a, b in weight_pairs(ours, theirs))
+
+
+def max_abs_diff_ours(model_a, model_b) -> float:
+  """Largest |parameter difference| between two of our models."""
+  a, b = nnx.state(model_a, nnx.Param), nnx.state(model_b, nnx.Param)
+  return max(float(jnp.abs(x - y).max()) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def bench_update(tx, ours, args) -> dict:
+  batch = update_batch(ours, args)
+  theirs = their_model_from(tx, ours)
+  our_step = OurUpdate(ours, batch, args)
+  their_step = TheirUpdate(tx, theirs, batch, our_step.tx, args)
+  first_ours, m_ours = first_call(our_step)
+  first_theirs, m_theirs = first_call(their_step)
+  check = {"loss_ours": float(m_ours["loss"]), "loss_theirs": float(m_theirs["loss"]),
+           "grad_norm_ours": float(m_ours["grad_norm"]),
+           "grad_norm_theirs": float(m_theirs["grad_norm"]),
+           "clip_frac_seq_ours": float(m_ours["clip_frac_seq"]),
+           "clip_frac_token_theirs": float(m_theirs["pg_clipfrac"]),
+           # Adam's first step moves each parameter by about lr * sign(gradient): the
+           # scale against which the difference between the two updated models is small.
+           "max_abs_param_change_ours": max_abs_diff_ours(our_step.model(), ours),
+           "max_abs_param_diff_after_step": max_abs_diff(our_step.model(), theirs)}
+  times = interleaved({"ours": our_step, "theirs": their_step}, args.update_repeats)
+  R, S = args.prompts * args.group, args.prompt_len + args.new_tokens
+  out = {"rows": R, "P": args.prompt_len, "T": args.new_tokens, "tokens_per_step": R * S,
+         "first_step_check": check}
+  for name, first in (("ours", first_ours), ("theirs", first_theirs)):
+    out[name] = {"seconds": statistics.median(times[name]), "all_seconds": times[name],
+                 "first_call_seconds": first}
+  out["speedup_ours_over_theirs"] = out["theirs"]["seconds"] / out["ours"]["seconds"]
+  out["speedup_paired"] = paired_speedup(times, "theirs", "ours")
+  return out
+
+
+# ------------------------------------------------------------------------------ report
+
+
+def print_report(r: dict) -> None:
+  s, u, lc = r["sampling"], r["update"], r["logits_check"]
+  print(f"model: {r['params'] / 1e6:.2f}M params; logits max |ours - theirs| = "
+        f"{lc['max_abs_diff']:.2e} (max |logit| {lc['max_abs_logit']:.2f})")
+  print(f"\nsampling: B={s['B']} prompts x G={s['G']}, P={s['P']}, T={s['T']} new tokens "
+        f"({s['generated_tokens']} tokens), median of {r['args']['sampling_repeats']}, interleaved")
+  print(f"{'side':38} {'seconds':>8} {'tokens/s':>10} {'first call s':>13}")
+  names = {"ours": "ours (sample_groups, shared prefix)",
+           "ours_repeated_prompts": "ours, prompts repeated G times",
+           "theirs": "tunix (VanillaRollout / Sampler)"}
+  for k, label in names.items():
+    x = s[k]
+    print(f"{label:38} {x['seconds']:8.3f} {x['tokens_per_s']:10.0f} {x['first_call_seconds']:13.2f}")
+  print(f"ours / tunix tokens/s: {s['speedup_ours_over_theirs']:.2f}x, paired "
+        f"{s['speedup_paired']:.2f}x (without prefix sharing: "
+        f"{s['speedup_ours_repeated_over_theirs']:.2f}x, paired {s['speedup_repeated_paired']:.2f}x)")
+  c = u["first_step_check"]
+  print(f"\nupdate step: {u['rows']} rows x ({u['P']} + {u['T']}) tokens, GSPO, AdamW; first "
+        f"step loss {c['loss_ours']:.6f} vs {c['loss_theirs']:.6f}, grad norm "
+        f"{c['grad_norm_ours']:.6f} vs {c['grad_norm_theirs']:.6f}, params after it differ "
+        f"by <= {c['max_abs_param_diff_after_step']:.1e} (ours moved them by <= "
+        f"{c['max_abs_param_change_ours']:.1e})")
+  print(f"{'side':38} {'seconds':>8} {'first call s':>13}")
+  print(f"{'ours (train.update)':38} {u['ours']['seconds']:8.3f} {u['ours']['first_call_seconds']:13.2f}")
+  print(f"{'tunix (rl Trainer train step)':38} {u['theirs']['seconds']:8.3f} "
+        f"{u['theirs']['first_call_seconds']:13.2f}")
+  print(f"ours / tunix update speed: {u['speedup_ours_over_theirs']:.2f}x, paired "
+        f"{u['speedup_paired']:.2f}x (median of {r['args']['update_repeats']}, interleaved)")
+  print(f"\ntarget >= {TARGET_SPEEDUP}x: sampling {'met' if r['target_met']['sampling'] else 'NOT met'}, "
+        f"update {'met' if r['target_met']['update'] else 'NOT met'}; load average "
+        f"{r['load_average_before'][0]:.2f} -> {r['load_average_after'][0]:.2f}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--vocab", type=int, default=2048)
+  p.add_argument("--hidden", type=int, default=256)
+  p.add_argument("--layers", type=int, default=4)
+  p.add_argument("--heads", type=int, default=8)
+  p.add_argument("--kv-heads", type=int, default=4)
+  p.add_argument("--head-dim", type=int, default=32)
+  p.add_argument("--mlp", type=int, default=768)
+  p.add_argument("--tie-embeddings", action="store_true")
+  p.add_argument("--prompts", type=int, default=4, help="B")
+  p.add_argument("--prompt-len", type=int, default=64, help="P (a power of 2: tunix pads to one)")
+  p.add_argument("--group", type=int, default=8, help="G responses per prompt")
+  p.add_argument("--new-tokens", type=int, default=64, help="T")
+  p.add_argument("--sampling-repeats", type=int, default=15)
+  p.add_argument("--update-repeats", type=int, default=5)
+  p.add_argument("--out", default=RESULT, help="JSON record path")
+  return p
+
+
+def versions() -> dict:
+  get = importlib.metadata.version
+  return {name: get(name) for name in ("jax", "jaxlib", "flax", "optax", "google-tunix")}
+
+
+def main(argv=None):
+  argv = sys.argv[1:] if argv is None else list(argv)
+  args = build_parser().parse_args(argv)
+  tx = import_tunix()
+  load_before = os.getloadavg()
+  t0 = time.perf_counter()
+  ours = transformer.create(our_model_config(args))
+  theirs = their_model_from(tx, ours)
+  tokens = jnp.asarray(np.random.default_rng(2).integers(1, args.vocab, (2, 64)), jnp.int32)
+  record = {"command": "python experiments/peer_tunix.py " + " ".join(argv), "args": vars(args),
+            "machine": benchmark.machine(), "versions": versions(), "what_runs": WHAT_RUNS,
+            "model": dataclasses.asdict(ours.cfg), "params": param_count(ours),
+            "logits_check": logits_check(tx, ours, theirs, tokens)}
+  record["sampling"] = bench_sampling(tx, ours, theirs, args)
+  record["update"] = bench_update(tx, ours, args)
+  record["target_met"] = {
+      "sampling": record["sampling"]["speedup_ours_over_theirs"] >= TARGET_SPEEDUP,
+      "update": record["update"]["speedup_ours_over_theirs"] >= TARGET_SPEEDUP}
+  record["seconds"] = time.perf_counter() - t0
+  record["load_average_before"], record["load_average_after"] = load_before, os.getloadavg()
+  print_report(record)
+  os.makedirs(os.path.dirname(args.out), exist_ok=True)
+  with open(args.out, "w") as f:
+    json.dump(record, f, indent=2)
+  print("wrote", args.out)
+
+
+if __name__ == "__main__":
+  main()
