@@ -115,6 +115,21 @@ def _filter_logits(logits_NxV: Array, cfg: SamplerConfig) -> Array:
   return logits_NxV
 
 
+def first_argmax(x: Array) -> Array:
+  """jnp.argmax over the last axis (ties: the first index), as two plain reductions.
+
+  XLA:CPU runs argmax's (value, index) pair reduction element by element; max followed by
+  the smallest index attaining it vectorises, and picking the token was 1.9x cheaper
+  (Gumbel noise and log-softmax included) at vocabularies 2,048 and 151,936 (README).
+  A row containing NaN yields index V - 1 (argmax would point at the NaN).
+  """
+  V = x.shape[-1]
+  is_max = x == jnp.max(x, axis=-1, keepdims=True)
+  first = jnp.min(jnp.where(is_max, jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1), V),
+                  axis=-1)
+  return jnp.minimum(first, V - 1)
+
+
 def _pick(logits_BxGxV: Array, key: Array, cfg: SamplerConfig) -> tuple[Array, Array, Array]:
   """(token_BxG, logp_BxG, entropy_BxG) of the tempered, unfiltered distribution."""
   temp = 1.0 if cfg.greedy else cfg.temperature
@@ -122,9 +137,9 @@ def _pick(logits_BxGxV: Array, key: Array, cfg: SamplerConfig) -> tuple[Array, A
   logp_all = jax.nn.log_softmax(scaled, axis=-1)
   filtered = _filter_logits(scaled, cfg)
   if cfg.greedy:
-    token = jnp.argmax(filtered, axis=-1)
-  else:
-    token = jax.random.categorical(key, filtered, axis=-1)
+    token = first_argmax(filtered)
+  else:  # = jax.random.categorical(key, filtered): the same Gumbel noise, the same tokens
+    token = first_argmax(filtered + jax.random.gumbel(key, filtered.shape, filtered.dtype))
   entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
   return (token.astype(jnp.int32), jnp.take_along_axis(logp_all, token[..., None], -1)[..., 0],
           entropy)

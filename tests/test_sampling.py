@@ -158,6 +158,21 @@ def test_filters_hand_values():
   np.testing.assert_array_equal(keep(dataclasses.replace(BASE, vocab_limit=3)), [1, 1, 1, 0, 0])
 
 
+def test_first_argmax_and_pick_equal_argmax_and_categorical():
+  rng = np.random.default_rng(5)
+  x = rng.normal(size=(3, 4, 50)).astype(np.float32)
+  x[0, 0, [3, 7, 40]] = 9.0           # ties: the first index wins, as in argmax
+  x[1, :, 10:] = np.finfo(np.float32).min  # filtered-out entries
+  np.testing.assert_array_equal(sampling.first_argmax(jnp.asarray(x)), np.argmax(x, -1))
+  assert int(sampling.first_argmax(jnp.asarray([1.0, np.nan, 2.0]))) == 2  # NaN: a valid index
+  # Sampling: the same Gumbel noise as jax.random.categorical, hence the same tokens.
+  cfg = dataclasses.replace(BASE, temperature=0.7)
+  for seed in range(5):
+    key = jax.random.key(seed)
+    token, _, _ = sampling._pick(jnp.asarray(x), key, cfg)
+    np.testing.assert_array_equal(token, jax.random.categorical(key, jnp.asarray(x) / 0.7))
+
+
 def test_top_k_one_is_greedy_and_vocab_limit_holds(model, prompts):
   # G = 2: the greedy config of the padding test (one sampler compile less).
   greedy = sample_groups(model, *prompts, jax.random.key(0),
