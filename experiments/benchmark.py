@@ -5,6 +5,7 @@
     python experiments/benchmark.py train      # update step: time, model FLOP/s, MFU vs peak
     python experiments/benchmark.py logprobs   # lean vs plain token log-probs: memory, time
     python experiments/benchmark.py sampler    # in-graph group sampler vs a host-driven loop
+    python experiments/benchmark.py prefix     # update step with / without prompt sharing
     python experiments/benchmark.py iteration  # one GSPO iteration, phase by phase
     python experiments/benchmark.py compile    # compile time vs number of layers
 
@@ -280,13 +281,16 @@ def update_flops(mcfg, rows: int, prompt_len: int, new_tokens: int) -> dict:
           "attention_share": fwd_attention / forward}
 
 
-def _random_batch(mcfg, rows: int, prompt_len: int, new_tokens: int, seed: int = 0):
-  """A `train.Batch` of random rollout rows (full-length prompts, every token counted)."""
+def _random_batch(mcfg, rows: int, prompt_len: int, new_tokens: int, seed: int = 0,
+                  group: int = 1):
+  """A `train.Batch` of random rollout rows (full-length prompts, every token counted);
+  consecutive groups of `group` rows share a prompt, as in a rollout."""
   from gspo_jax import train
   rng = np.random.default_rng(seed)
   R, P, T = rows, prompt_len, new_tokens
+  prompts = np.repeat(rng.integers(0, mcfg.vocab_size, (R // group, P)), group, axis=0)
   return train.Batch(
-      prompts_RxP=jnp.asarray(rng.integers(0, mcfg.vocab_size, (R, P)), jnp.int32),
+      prompts_RxP=jnp.asarray(prompts, jnp.int32),
       prompt_lens_R=jnp.full((R,), P, jnp.int32),
       tokens_RxT=jnp.asarray(rng.integers(0, mcfg.vocab_size, (R, T)), jnp.int32),
       mask_RxT=jnp.ones((R, T), jnp.float32),
@@ -294,14 +298,16 @@ def _random_batch(mcfg, rows: int, prompt_len: int, new_tokens: int, seed: int =
       adv_R=jnp.asarray(rng.normal(0.0, 1.0, (R,)), jnp.float32))
 
 
-def _update_program(mcfg, rows: int, prompt_len: int, new_tokens: int):
+def _update_program(mcfg, rows: int, prompt_len: int, new_tokens: int, group: int = 2,
+                    share_prompts: bool = False):
   """(jitted `train.update` with the state donated, TrainState, Batch) for one minibatch."""
   from flax import nnx
 
   from gspo_jax import train
   from gspo_jax.models import transformer
-  cfg = train.TrainConfig(model=mcfg, num_minibatches=1, rollout=train.RolloutConfig(
-      prompts_per_iter=rows // 2, group_size=2, max_new_tokens=new_tokens,
+  cfg = train.TrainConfig(model=mcfg, num_minibatches=1, share_prompts=share_prompts,
+                          rollout=train.RolloutConfig(
+      prompts_per_iter=rows // group, group_size=group, max_new_tokens=new_tokens,
       max_prompt_len=prompt_len))
   graphdef, params = nnx.split(transformer.create(mcfg), nnx.Param)
   tx = train.make_optimizer(cfg.optim)
@@ -309,7 +315,7 @@ def _update_program(mcfg, rows: int, prompt_len: int, new_tokens: int):
                            step=jnp.zeros((), jnp.int32), key=jax.random.key(0))
   step = jax.jit(functools.partial(train.update, graphdef=graphdef, tx=tx, cfg=cfg),
                  donate_argnums=(0,))
-  return step, state, _random_batch(mcfg, rows, prompt_len, new_tokens)
+  return step, state, _random_batch(mcfg, rows, prompt_len, new_tokens, group=group)
 
 
 def bench_train(args) -> dict:
@@ -360,6 +366,55 @@ def bench_train(args) -> dict:
           f"{r['mfu_paired']:7.1%} {r['temp_bytes'] / 2**20:9.1f} {r['compile_seconds']:10.2f}")
   print(f"MFU = model FLOP/s / the best matmul FLOP/s measured above "
         f"({out['peak_gflops']:.1f} GFLOP/s); paired: against a {n}x{n} matmul timed before each step")
+  return out
+
+
+def bench_prefix(args) -> dict:
+  """The update step with `TrainConfig.share_prompts` off and on, on the same batch (B
+  prompts x G responses): teacher forcing computes each prompt once per group instead of G
+  times. Timed alternately (ABAB) so both see the same machine load."""
+  mcfg = _bench_model(args)
+  B, G, P, T = args.prompts, args.group, args.prompt_len, args.new_tokens
+  R = B * G
+  out = {"model": dataclasses.asdict(mcfg), "B": B, "G": G, "P": P, "T": T,
+         # Token positions through the layers: G (P + T) per prompt without sharing.
+         "positions_unshared": R * (P + T), "positions_shared": B * P + R * T}
+  programs = {}
+  for share in (False, True):
+    step, state, batch = _update_program(mcfg, R, P, T, group=G, share_prompts=share)
+    t0 = time.perf_counter()
+    compiled = step.lower(state, batch).compile()
+    compile_s = time.perf_counter() - t0
+    state, metrics = compiled(state, batch)  # warm-up
+    programs[share] = [compiled, state, batch]
+    out[f"share_{share}"] = {"compile_seconds": compile_s, "first_loss": float(metrics["loss"]),
+                             "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
+                             "all_seconds": []}
+  for _ in range(args.repeats):
+    for share, prog in programs.items():
+      compiled, state, batch = prog
+      t0 = time.perf_counter()
+      state, metrics = compiled(state, batch)
+      jax.block_until_ready(metrics)
+      out[f"share_{share}"]["all_seconds"].append(time.perf_counter() - t0)
+      prog[1] = state
+  for share in (False, True):
+    r = out[f"share_{share}"]
+    r["seconds"] = statistics.median(r["all_seconds"])
+  off, on = out["share_False"], out["share_True"]
+  out["speedup"] = off["seconds"] / on["seconds"]
+  out["speedup_paired"] = statistics.median(
+      a / b for a, b in zip(off["all_seconds"], on["all_seconds"]))
+  print(f"prefix: update step, {B} prompts x G={G}, {P} prompt + {T} response tokens, "
+        f"hidden {args.width}, {args.layers} layers, vocab {args.vocab}; token positions "
+        f"{out['positions_unshared']} -> {out['positions_shared']} "
+        f"({out['positions_unshared'] / out['positions_shared']:.2f}x fewer)")
+  print(f"{'share_prompts':14} {'step s':>8} {'temp MiB':>9} {'compile s':>10} {'first loss':>11}")
+  for share in (False, True):
+    r = out[f"share_{share}"]
+    print(f"{str(share):14} {r['seconds']:8.3f} {r['temp_bytes'] / 2**20:9.1f} "
+          f"{r['compile_seconds']:10.2f} {r['first_loss']:11.6f}")
+  print(f"shared / unshared: {out['speedup']:.2f}x faster (paired {out['speedup_paired']:.2f}x)")
   return out
 
 
@@ -540,6 +595,19 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--vocab", type=int, default=256)
   p.add_argument("--scan", action="store_true", help="ModelConfig.scan_layers=True")
   p.add_argument("--repeats", type=int, default=3)
+  p = sub.add_parser("prefix", help="update step with and without prompt sharing")
+  p.add_argument("--prompts", type=int, default=4)
+  p.add_argument("--group", type=int, default=8)
+  p.add_argument("--prompt-len", type=int, default=256)
+  p.add_argument("--new-tokens", type=int, default=64)
+  p.add_argument("--width", type=int, default=256)
+  p.add_argument("--layers", type=int, default=4)
+  p.add_argument("--heads", type=int, default=8)
+  p.add_argument("--kv-heads", type=int, default=4)
+  p.add_argument("--vocab", type=int, default=2048)
+  p.add_argument("--scan", action="store_true", help="ModelConfig.scan_layers=True")
+  p.add_argument("--dtype", default="float32")
+  p.add_argument("--repeats", type=int, default=5)
   p = sub.add_parser("iteration", help="one GSPO iteration, phase by phase")
   p.add_argument("--prompts", type=int, default=64)
   p.add_argument("--group", type=int, default=8)
@@ -565,7 +633,8 @@ def build_parser() -> argparse.ArgumentParser:
 REMAT_CHOICES = ("none", "full", "dots")
 LAYER_MODES = ("unrolled", "scan")
 BENCHES = {"peak": bench_peak, "train": bench_train, "logprobs": bench_logprobs,
-           "sampler": bench_sampler, "iteration": bench_iteration, "compile": bench_compile}
+           "sampler": bench_sampler, "prefix": bench_prefix, "iteration": bench_iteration,
+           "compile": bench_compile}
 # `all`: each measurement at a size that keeps the whole run to a few minutes on 2 CPU cores.
 QUICK = {
     "peak": ["peak", "--sizes", "512", "1024", "--repeats", "3"],
@@ -573,6 +642,7 @@ QUICK = {
     "logprobs": ["logprobs", "--batch", "2", "--tokens", "512", "--width", "128", "--chunk", "64",
                  "--repeats", "1"],
     "sampler": ["sampler", "--repeats", "2"],
+    "prefix": ["prefix", "--prompt-len", "128", "--repeats", "3"],
     "iteration": ["iteration", "--iterations", "3"],
     "compile": ["compile", "--layers", "2", "8", "--programs", "update"],
 }

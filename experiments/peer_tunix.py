@@ -308,12 +308,14 @@ def bench_sampling(tx, ours, theirs, args) -> dict:
 
 
 def update_batch(ours, args) -> train.Batch:
-  """B*G rows of P + T random tokens (no 0: tunix treats id 0 as padding), every response
-  token counted, advantages N(0, 1) and pi_old = the current policy's log-probs plus
-  N(0, 0.01) noise (so that some sequences are clipped, as in a later minibatch)."""
+  """B*G rows of P + T random tokens (no 0: tunix treats id 0 as padding), each group of G
+  consecutive rows sharing its prompt as in a rollout, every response token counted,
+  advantages N(0, 1) and pi_old = the current policy's log-probs plus N(0, 0.01) noise (so
+  that some sequences are clipped, as in a later minibatch)."""
   R, P, T = args.prompts * args.group, args.prompt_len, args.new_tokens
   rng = np.random.default_rng(1)
-  prompts = jnp.asarray(rng.integers(1, args.vocab, (R, P)), jnp.int32)
+  prompts = jnp.asarray(np.repeat(rng.integers(1, args.vocab, (args.prompts, P)), args.group, 0),
+                        jnp.int32)
   tokens = jnp.asarray(rng.integers(1, args.vocab, (R, T)), jnp.int32)
   lens = jnp.full((R,), P, jnp.int32)
   graphdef, params = nnx.split(ours, nnx.Param)
@@ -325,19 +327,21 @@ def update_batch(ours, args) -> train.Batch:
                      adv_R=jnp.asarray(rng.normal(0.0, 1.0, (R,)), jnp.float32))
 
 
-def our_train_config(model_cfg, args) -> train.TrainConfig:
+def our_train_config(model_cfg, args, share_prompts: bool = False) -> train.TrainConfig:
   return train.TrainConfig(
       model=model_cfg, loss="gspo", eps_low=3e-4, eps_high=4e-4, num_minibatches=1, kl_coef=0.0,
+      share_prompts=share_prompts,
       rollout=train.RolloutConfig(prompts_per_iter=args.prompts, group_size=args.group,
                                   max_new_tokens=args.new_tokens, max_prompt_len=args.prompt_len,
                                   temperature=1.0))
 
 
 class OurUpdate:
-  """Ours: `train.update` jitted with the TrainState donated, one minibatch."""
+  """Ours: `train.update` jitted with the TrainState donated, one minibatch; with
+  `share_prompts` each prompt is computed once for its G responses."""
 
-  def __init__(self, ours, batch: train.Batch, args):
-    cfg = our_train_config(ours.cfg, args)
+  def __init__(self, ours, batch: train.Batch, args, share_prompts: bool = False):
+    cfg = our_train_config(ours.cfg, args, share_prompts)
     graphdef, params = nnx.split(ours, nnx.Param)
     params = jax.tree.map(jnp.copy, params)  # the state is donated: keep `ours` intact
     self.tx = train.make_optimizer(cfg.optim)
@@ -402,8 +406,10 @@ def bench_update(tx, ours, args) -> dict:
   batch = update_batch(ours, args)
   theirs = their_model_from(tx, ours)
   our_step = OurUpdate(ours, batch, args)
+  shared_step = OurUpdate(ours, batch, args, share_prompts=True)
   their_step = TheirUpdate(tx, theirs, batch, our_step.tx, args)
   first_ours, m_ours = first_call(our_step)
+  first_shared, m_shared = first_call(shared_step)
   first_theirs, m_theirs = first_call(their_step)
   check = {"loss_ours": float(m_ours["loss"]), "loss_theirs": float(m_theirs["loss"]),
            "grad_norm_ours": float(m_ours["grad_norm"]),
@@ -413,16 +419,24 @@ def bench_update(tx, ours, args) -> dict:
            # Adam's first step moves each parameter by about lr * sign(gradient): the
            # scale against which the difference between the two updated models is small.
            "max_abs_param_change_ours": max_abs_diff_ours(our_step.model(), ours),
-           "max_abs_param_diff_after_step": max_abs_diff(our_step.model(), theirs)}
-  times = interleaved({"ours": our_step, "theirs": their_step}, args.update_repeats)
+           "max_abs_param_diff_after_step": max_abs_diff(our_step.model(), theirs),
+           "loss_ours_shared": float(m_shared["loss"]),
+           "grad_norm_ours_shared": float(m_shared["grad_norm"]),
+           "max_abs_param_diff_shared_after_step": max_abs_diff(shared_step.model(), theirs)}
+  times = interleaved({"ours": our_step, "ours_shared_prompts": shared_step, "theirs": their_step},
+                      args.update_repeats)
   R, S = args.prompts * args.group, args.prompt_len + args.new_tokens
   out = {"rows": R, "P": args.prompt_len, "T": args.new_tokens, "tokens_per_step": R * S,
          "first_step_check": check}
-  for name, first in (("ours", first_ours), ("theirs", first_theirs)):
+  for name, first in (("ours", first_ours), ("ours_shared_prompts", first_shared),
+                      ("theirs", first_theirs)):
     out[name] = {"seconds": statistics.median(times[name]), "all_seconds": times[name],
                  "first_call_seconds": first}
   out["speedup_ours_over_theirs"] = out["theirs"]["seconds"] / out["ours"]["seconds"]
   out["speedup_paired"] = paired_speedup(times, "theirs", "ours")
+  out["speedup_ours_shared_over_theirs"] = (out["theirs"]["seconds"] /
+                                            out["ours_shared_prompts"]["seconds"])
+  out["speedup_shared_paired"] = paired_speedup(times, "theirs", "ours_shared_prompts")
   return out
 
 
@@ -453,12 +467,19 @@ def print_report(r: dict) -> None:
         f"{c['max_abs_param_change_ours']:.1e})")
   print(f"{'side':38} {'seconds':>8} {'first call s':>13}")
   print(f"{'ours (train.update)':38} {u['ours']['seconds']:8.3f} {u['ours']['first_call_seconds']:13.2f}")
+  x = u["ours_shared_prompts"]
+  print(f"{'ours, share_prompts=True':38} {x['seconds']:8.3f} {x['first_call_seconds']:13.2f}")
   print(f"{'tunix (rl Trainer train step)':38} {u['theirs']['seconds']:8.3f} "
         f"{u['theirs']['first_call_seconds']:13.2f}")
   print(f"ours / tunix update speed: {u['speedup_ours_over_theirs']:.2f}x, paired "
-        f"{u['speedup_paired']:.2f}x (median of {r['args']['update_repeats']}, interleaved)")
+        f"{u['speedup_paired']:.2f}x; with share_prompts {u['speedup_ours_shared_over_theirs']:.2f}x, "
+        f"paired {u['speedup_shared_paired']:.2f}x (median of {r['args']['update_repeats']}, "
+        f"interleaved; shared first step: loss {c['loss_ours_shared']:.6f}, params within "
+        f"{c['max_abs_param_diff_shared_after_step']:.1e} of tunix's)")
   print(f"\ntarget >= {TARGET_SPEEDUP}x: sampling {'met' if r['target_met']['sampling'] else 'NOT met'}, "
-        f"update {'met' if r['target_met']['update'] else 'NOT met'}; load average "
+        f"update {'met' if r['target_met']['update'] else 'NOT met'} "
+        f"({'met' if r['target_met']['update_share_prompts'] else 'NOT met'} with "
+        f"share_prompts); load average "
         f"{r['load_average_before'][0]:.2f} -> {r['load_average_after'][0]:.2f}")
 
 
@@ -504,7 +525,9 @@ def main(argv=None):
   record["update"] = bench_update(tx, ours, args)
   record["target_met"] = {
       "sampling": record["sampling"]["speedup_ours_over_theirs"] >= TARGET_SPEEDUP,
-      "update": record["update"]["speedup_ours_over_theirs"] >= TARGET_SPEEDUP}
+      "update": record["update"]["speedup_ours_over_theirs"] >= TARGET_SPEEDUP,
+      "update_share_prompts": (record["update"]["speedup_ours_shared_over_theirs"]
+                               >= TARGET_SPEEDUP)}
   record["seconds"] = time.perf_counter() - t0
   record["load_average_before"], record["load_average_after"] = load_before, os.getloadavg()
   print_report(record)

@@ -280,11 +280,22 @@ def response_logprobs(model: Transformer, prompts_BxP: Array, prompt_lens_B: Arr
   predicted from the hidden state of the token before it (the last prompt token for t=0).
   Uses the memory-lean `token_logprobs_from_hidden`.
 
+  With G > 1 each prompt is computed once and its keys are shared by its G responses
+  (`Transformer.extend`): P + G*T positions per prompt instead of G*(P + T), the same
+  function (tested to float rounding, gradients included). G = 1 runs the plain forward
+  over the concatenated rows.
+
+  replay: per MoE layer (B*G, P+T, K) expert indices (Routing Replay); with G > 1 the
+  prompt part is taken from each group's first row (a prompt routes the same in every row).
   Returns:
-    (logp_BxGxT float32, RouterInfo of the forward pass over the (B*G, P+T) rows).
+    (logp_BxGxT float32, RouterInfo: expert indices per MoE layer (B*G, P+T, K); its aux_loss
+    counts each prompt once when G > 1).
   """
   B, P = prompts_BxP.shape
   _, G, T = tokens_BxGxT.shape
+  if G > 1:
+    return _shared_prefix_logprobs(model, prompts_BxP, prompt_lens_B, tokens_BxGxT,
+                                   temperature=temperature, replay=replay, chunk_size=chunk_size)
   rows = lambda x: jnp.repeat(x, G, axis=0)
   lens = rows(prompt_lens_B)
   seq = jnp.concatenate([rows(prompts_BxP), tokens_BxGxT.reshape(B * G, T)], axis=1)
@@ -300,3 +311,31 @@ def response_logprobs(model: Transformer, prompts_BxP: Array, prompt_lens_B: Arr
                                     temperature=temperature, chunk_size=chunk_size)
   return logp.reshape(B, G, T), out.router
 
+
+def _shared_prefix_logprobs(model: Transformer, prompts_BxP, prompt_lens_B, tokens_BxGxT, *,
+                            temperature, replay, chunk_size):
+  """`response_logprobs` with each prompt computed once for its G responses."""
+  B, P = prompts_BxP.shape
+  _, G, T = tokens_BxGxT.shape
+  prompt_replay = cont_replay = None
+  if replay is not None:
+    prompt_replay = tuple(r.reshape(B, G, P + T, -1)[:, 0, :P] for r in replay)
+    cont_replay = tuple(r[:, P:] for r in replay)
+  valid_BxP = jnp.arange(P)[None, :] < prompt_lens_B[:, None]
+  prefix = model(prompts_BxP, jnp.broadcast_to(jnp.arange(P), (B, P)), valid_BxP,
+                 replay=prompt_replay)
+  positions = prompt_lens_B[:, None, None] + jnp.arange(T)[None, None, :]
+  cont = model.extend(prefix, valid_BxP, tokens_BxGxT, jnp.broadcast_to(positions, (B, G, T)),
+                      replay=cont_replay)
+  # Response token 0 is predicted by the last prompt token, token t by response token t-1.
+  last_BxD = jnp.take_along_axis(prefix.hidden_BxSxD, (prompt_lens_B - 1)[:, None, None], 1)[:, 0]
+  first = jnp.broadcast_to(last_BxD[:, None, None], (B, G, 1, last_BxD.shape[-1]))
+  h = jnp.concatenate([first.reshape(B * G, 1, -1), cont.hidden_BxSxD[:, :T - 1]], axis=1)
+  logp = token_logprobs_from_hidden(h, model.unembed_DxV(), tokens_BxGxT.reshape(B * G, T),
+                                    temperature=temperature, chunk_size=chunk_size)
+  # Expert choices in the layout of the unshared forward: (B*G, P+T, K) per MoE layer.
+  indices = tuple(jnp.concatenate([jnp.repeat(p, G, axis=0), c], axis=1)
+                  for p, c in zip(prefix.router.indices, cont.router.indices))
+  router = prefix.router.replace(indices=indices,
+                                 aux_loss=prefix.router.aux_loss + cont.router.aux_loss)
+  return logp.reshape(B, G, T), router

@@ -122,6 +122,9 @@ class TrainConfig:
   routing: str = "free"             # MoE only: "free", "track" or "replay" (see ROUTING_MODES)
   kl_coef: float = 0.0
   kl_estimator: str = "k3"
+  # Teacher forcing (pi_theta, pi_old, pi_ref) computes each prompt once for its G responses
+  # (`sampling.response_logprobs`); minibatches then hold whole groups (shuffled by group).
+  share_prompts: bool = False
   iterations: int = 50
   eval_every: int = 10
   eval_size: int = 256
@@ -142,6 +145,10 @@ class TrainConfig:
     if (self.rollout.prompts_per_iter * self.rollout.group_size) % self.num_minibatches:
       raise ValueError(f"TrainConfig.num_minibatches ({self.num_minibatches}) must divide "
                        "rollout.prompts_per_iter * rollout.group_size")
+    if self.share_prompts and self.rollout.prompts_per_iter % self.num_minibatches:
+      raise ValueError(f"TrainConfig.share_prompts=True keeps groups whole, so num_minibatches "
+                       f"({self.num_minibatches}) must divide rollout.prompts_per_iter "
+                       f"({self.rollout.prompts_per_iter})")
     if not (self.eps_low > 0 and self.eps_high > 0):
       raise ValueError("TrainConfig.eps_low and eps_high must be > 0")
     if self.task == "dataset" and not (self.data.train_file and self.reward):
@@ -199,10 +206,16 @@ def current_lr(opt_state) -> Array:
                                    filtering=lambda _, value: isinstance(value, jax.Array))
 
 
+def shared_group(cfg: TrainConfig) -> int:
+  """Rows per shared prompt in teacher forcing: G with `share_prompts`, else 1."""
+  return cfg.rollout.group_size if cfg.share_prompts else 1
+
+
 def _minibatch_loss(params, graphdef, mb: Batch, cfg: TrainConfig):
   replay = mb.old_experts if cfg.routing == "replay" else None
   logp, router = teacher_forced(params, graphdef, mb.prompts_RxP, mb.prompt_lens_R, mb.tokens_RxT,
-                                cfg.rollout.temperature, replay=replay)
+                                cfg.rollout.temperature, replay=replay,
+                                group_size=shared_group(cfg))
   loss, metrics = losses.LOSSES[cfg.loss](
       logp, mb.old_logp_RxT, mb.adv_R, mb.mask_RxT, eps_low=cfg.eps_low,
       eps_high=cfg.eps_high, ref_logp_BxT=mb.ref_logp_RxT, kl_coef=cfg.kl_coef,
@@ -240,12 +253,20 @@ def _apply_step(state_parts, mb: Batch, graphdef, tx, cfg: TrainConfig):
   return (keep(new_params, params), keep(new_opt, opt_state)), metrics
 
 
+def minibatch_order(key: Array, rows: int, group: int) -> Array:
+  """A random order of the rows that keeps each run of `group` consecutive rows together
+  (group = 1: any order), so equal slices of it hold whole groups."""
+  perm = jax.random.permutation(key, rows // group)
+  return (perm[:, None] * group + jnp.arange(group)[None, :]).reshape(rows)
+
+
 def update(state: TrainState, batch: Batch, *, graphdef, tx, cfg: TrainConfig, mesh=None):
   """Shuffle the R rows, split into `num_minibatches`, one step each (scan). Returns the new
   state and the per-minibatch metrics averaged (skipped_updates summed). With a mesh, each
-  minibatch's rows stay split over the batch mesh axes."""
-  R = batch.adv_R.shape[0]
-  perm = jax.random.permutation(jax.random.fold_in(state.key, 2 * state.step + 1), R)
+  minibatch's rows stay split over the batch mesh axes. With `cfg.share_prompts` whole
+  groups are shuffled (their G rows stay together, so a prompt is computed once)."""
+  perm = minibatch_order(jax.random.fold_in(state.key, 2 * state.step + 1),
+                         batch.adv_R.shape[0], shared_group(cfg))
 
   def split(x):
     x = x[perm].reshape(cfg.num_minibatches, -1, *x.shape[1:])
@@ -265,18 +286,27 @@ def update(state: TrainState, batch: Batch, *, graphdef, tx, cfg: TrainConfig, m
 
 
 def teacher_forced(params, graphdef, prompts_RxP, lens_R, tokens_RxT, temperature, *,
-                   replay=None):
+                   replay=None, group_size: int = 1):
   """Teacher-forced log-probs of the rollout rows under `params`, and the forward's expert
-  choices (RouterInfo; `replay` forces them, Routing Replay)."""
+  choices (RouterInfo; `replay` forces them, Routing Replay).
+
+  group_size > 1: rows come in consecutive groups of that many sharing one prompt (as
+  `flatten_rollout` lays them out); each prompt is then computed once for its group."""
   model = nnx.merge(graphdef, params)
-  logp, router = sampling.response_logprobs(model, prompts_RxP, lens_R, tokens_RxT[:, None],
+  R, T = tokens_RxT.shape
+  G = group_size
+  prompts = prompts_RxP.reshape(R // G, G, -1)[:, 0]
+  lens = lens_R.reshape(R // G, G)[:, 0]
+  logp, router = sampling.response_logprobs(model, prompts, lens, tokens_RxT.reshape(R // G, G, T),
                                             temperature=temperature, replay=replay)
-  return logp[:, 0], router
+  return logp.reshape(R, T), router
 
 
-def score_logprobs(params, graphdef, prompts_RxP, lens_R, tokens_RxT, temperature):
+def score_logprobs(params, graphdef, prompts_RxP, lens_R, tokens_RxT, temperature, *,
+                   group_size: int = 1):
   """Teacher-forced log-probs of the rollout rows under `params` (pi_old or pi_ref)."""
-  return teacher_forced(params, graphdef, prompts_RxP, lens_R, tokens_RxT, temperature)[0]
+  return teacher_forced(params, graphdef, prompts_RxP, lens_R, tokens_RxT, temperature,
+                        group_size=group_size)[0]
 
 
 def flatten_rollout(prompts_BxP, lens_B, rollout: sampling.Rollout):
@@ -298,11 +328,12 @@ def prepare(params, ref_params, prompts_BxP, lens_B, rollout: sampling.Rollout, 
   temp = cfg.rollout.temperature
   old, experts = sampler_logp, None
   if cfg.old_logp == "recompute" or cfg.routing != "free":
-    recomputed, router = teacher_forced(params, graphdef, prompts, lens, tokens, temp)
+    recomputed, router = teacher_forced(params, graphdef, prompts, lens, tokens, temp,
+                                        group_size=shared_group(cfg))
     old = recomputed if cfg.old_logp == "recompute" else old
     experts = None if cfg.routing == "free" else router.indices
   ref = None if ref_params is None else score_logprobs(ref_params, graphdef, prompts, lens,
-                                                       tokens, temp)
+                                                       tokens, temp, group_size=shared_group(cfg))
   return Batch(prompts, lens, tokens, mask, old * mask, adv, ref, experts)
 
 

@@ -174,21 +174,65 @@ class Transformer(nnx.Module):
       x, idx, aux = layer.feed_forward(x, valid, replay_BxSxK)
       return x, (k, v, idx, aux)
 
+    return self._run_layers(layer_fn, x, (), replay)
+
+  def extend(self, prefix: ModelOutput, prefix_valid_BxP: Array, tokens_BxGxT: Array,
+             positions_BxGxT: Array, *, replay: tuple[Array, ...] | None = None) -> ModelOutput:
+    """Forward of G continuations of each row after a shared, already computed prefix.
+
+    Continuation token t attends to the row's valid prefix keys (`prefix.k`, `prefix.v`
+    from `__call__` on the B prefixes) and causally to its own continuation. Equals the
+    full forward over the B*G rows [prefix, continuation] at P + G*T token positions per
+    row instead of G*(P + T): the trainer's prefix sharing (`sampling.response_logprobs`).
+    Gradients flow into the prefix's keys and values (and so through `__call__`).
+
+    Args:
+      prefix: `__call__`'s output for the B prefixes. prefix_valid_BxP: its valid mask.
+      tokens_BxGxT, positions_BxGxT: the continuations (every position valid).
+      replay: per MoE layer (B*G, T, K) forced expert indices of the continuation tokens.
+    Returns:
+      ModelOutput over the B*G continuation rows: hidden (B*G, T, D), k/v per layer
+      (B*G, T, C, H), router indices per MoE layer (B*G, T, K).
+    """
+    B, G, T = tokens_BxGxT.shape
+    self._check_replay(replay)
+    pos = positions_BxGxT.reshape(B * G, T)
+    valid = jnp.ones((B * G, T), bool)
+    prefix_mask = prefix_valid_BxP.astype(bool)[:, None, None, :]    # (B, 1, 1, P)
+    own_mask = jnp.tril(jnp.ones((T, T), bool))[None, None]          # causal, (1, 1, T, T)
+    x = self._embed(tokens_BxGxT.reshape(B * G, T))
+
+    def layer_fn(graphdef, params, x, prefix_k, prefix_v, replay_BxSxK):
+      layer = nnx.merge(graphdef, params)
+      q, k, v = layer.attn.qkv(layer.attn_norm(x), pos)
+      group = lambda a: a.reshape(B, G, T, *a.shape[2:])
+      o = attend(group(q), shared=(prefix_k, prefix_v, prefix_mask),
+                 own=(group(k), group(v), own_mask))
+      x = x + layer.attn.out(o.reshape(B * G, T, *o.shape[3:])).astype(x.dtype)
+      x, idx, aux = layer.feed_forward(x, valid, replay_BxSxK)
+      return x, (k, v, idx, aux)
+
+    return self._run_layers(layer_fn, x, (prefix.k, prefix.v), replay)
+
+  def _run_layers(self, layer_fn, x, per_layer, replay) -> ModelOutput:
+    """x through every block: `layer_fn(graphdef, params, x, *per_layer[i], replay_i)`
+    (per_layer: tuples of `Layers`), scanned or unrolled, with `cfg.remat`."""
     if self.cfg.remat != "none":
       layer_fn = jax.checkpoint(layer_fn, policy=REMAT_POLICIES[self.cfg.remat],
                                 static_argnums=(0,))
     if self.cfg.scan_layers:
       graphdef, params = nnx.split(self.layers)
       stacked_replay = None if replay is None else jnp.stack(replay)
-      x, (k, v, idx, aux) = jax.lax.scan(lambda x, xs: layer_fn(graphdef, xs[0], x, xs[1]),
-                                         x, (params, stacked_replay))
+      x, (k, v, idx, aux) = jax.lax.scan(
+          lambda x, xs: layer_fn(graphdef, xs[0], x, *xs[1], xs[2]),
+          x, (params, per_layer, stacked_replay))
       indices = () if idx is None else tuple(idx)
       aux = jnp.zeros((), jnp.float32) if aux is None else jnp.sum(aux)
       return ModelOutput(self.final_norm(x), k, v, RouterInfo(indices, aux))
     ks, vs, indices, aux = [], [], [], jnp.zeros((), jnp.float32)
-    for layer in self.layers:
+    for i, layer in enumerate(self.layers):
       r = replay[len(indices)] if (replay is not None and layer.is_moe) else None
-      x, (k, v, idx, a) = layer_fn(*nnx.split(layer), x, r)
+      x, (k, v, idx, a) = layer_fn(*nnx.split(layer), x, *(xs[i] for xs in per_layer), r)
       if idx is not None:
         indices.append(idx)
         aux = aux + a
