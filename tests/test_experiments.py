@@ -48,8 +48,12 @@ def test_gspo_vs_grpo_quick(tmp_path):
 def test_gspo_token_equivalence_quick(tmp_path):
   summary = load("gspo_token_equivalence").main(["--quick", "--out", str(tmp_path)])
   assert finite(summary) and (tmp_path / "param_diff.png").stat().st_size > 0
-  assert max(summary["max_param_diff_vs_gspo"]["gspo_token"]) < 1e-6
-  assert min(summary["max_param_diff_vs_gspo"]["gspo_token_bonus"]) > 1e-4
+  # Equal up to float rounding: bit for bit in the experiment's own (optimised) XLA build,
+  # within 1% of one Adam step (lr 1e-3) under this suite's unoptimised XLA flags, where a
+  # rounding difference on a near-zero gradient coordinate survives Adam's normalisation.
+  # A token-level bonus moves parameters by about a whole step (2e-3) from step 1.
+  assert max(summary["max_param_diff_vs_gspo"]["gspo_token"]) < 1e-5
+  assert min(summary["max_param_diff_vs_gspo"]["gspo_token_bonus"]) > 1e-3
   assert summary["param_change_of_gspo"] > 1e-4
 
 
