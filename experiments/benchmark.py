@@ -431,6 +431,7 @@ def bench_iteration(args) -> dict:
                      num_kv_heads=2, head_dim=args.width // 4, num_layers=args.layers)
   cfg = train.TrainConfig(
       model=mcfg, num_minibatches=4, sft=train.SFTConfig(steps=0),
+      share_prompts=args.share_prompts,
       rollout=train.RolloutConfig(prompts_per_iter=args.prompts, group_size=args.group,
                                   max_new_tokens=args.new_tokens, max_prompt_len=8))
   phases = ("time_sample", "time_score", "time_old_logp", "time_update", "time_total")
@@ -615,6 +616,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--width", type=int, default=128)
   p.add_argument("--layers", type=int, default=2)
   p.add_argument("--iterations", type=int, default=5)
+  p.add_argument("--share-prompts", action="store_true", help="TrainConfig.share_prompts=True")
   p = sub.add_parser("compile", help="compile time vs number of layers")
   p.add_argument("--layers", type=int, nargs="+", default=[2, 4, 8, 16, 28])
   p.add_argument("--modes", nargs="+", default=list(LAYER_MODES), choices=LAYER_MODES)
