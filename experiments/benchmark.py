@@ -131,12 +131,9 @@ def _host_loop_sampler(model, cfg, style: str = "nnx"):
   from gspo_jax.models.transformer import KVCache
 
   def prefill(model, prompts, lens, key):
-    B, P = prompts.shape
-    pos = jnp.broadcast_to(jnp.arange(P), (B, P))
-    valid = pos < lens[:, None]
-    out = model(prompts, pos, valid)
-    last = jnp.take_along_axis(out.hidden_BxSxD, (lens - 1)[:, None, None], 1)[:, 0]
-    logits = jnp.broadcast_to(model.logits(last)[:, None], (B, cfg.group_size, model.cfg.vocab_size))
+    out, valid, last = sampling.prompt_forward(model, prompts, lens)
+    logits = jnp.broadcast_to(model.logits(last)[:, None],
+                              (prompts.shape[0], cfg.group_size, model.cfg.vocab_size))
     token, logp, _ = sampling._pick(logits, key, cfg)
     return token, logp, KVCache.from_prefill(out, valid, cfg.group_size, cfg.max_new_tokens)
 
@@ -551,6 +548,18 @@ def nnx_params(model):
   return nnx.state(model, nnx.Param)
 
 
+def _add_model_args(p, *, width: int, layers: int, heads: int, kv_heads: int, vocab: int):
+  """The dense benchmark model's shape (`_bench_model`), with this subcommand's defaults."""
+  p.add_argument("--width", type=int, default=width)
+  p.add_argument("--layers", type=int, default=layers)
+  p.add_argument("--heads", type=int, default=heads)
+  p.add_argument("--kv-heads", type=int, default=kv_heads)
+  p.add_argument("--vocab", type=int, default=vocab)
+  p.add_argument("--scan", action="store_true", help="ModelConfig.scan_layers=True")
+  p.add_argument("--dtype", default="float32",
+                 help="ModelConfig.dtype, the compute dtype (parameters stay float32)")
+
+
 def _add_peak_args(p, sizes):
   p.add_argument("--sizes", type=int, nargs="+", default=sizes, help="square matmul sizes")
 
@@ -565,19 +574,12 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--repeats", type=int, default=5)
   p = sub.add_parser("train", help="update step: time, model FLOP/s, MFU against peak")
   _add_peak_args(p, [512, 1024, 2048])
-  p.add_argument("--width", type=int, default=512)
-  p.add_argument("--layers", type=int, default=6)
-  p.add_argument("--heads", type=int, default=8)
-  p.add_argument("--kv-heads", type=int, default=4)
-  p.add_argument("--vocab", type=int, default=8192)
+  _add_model_args(p, width=512, layers=6, heads=8, kv_heads=4, vocab=8192)
   p.add_argument("--rows", type=int, default=8)
   p.add_argument("--prompt-len", type=int, default=96)
   p.add_argument("--new-tokens", type=int, default=32)
   p.add_argument("--remat", nargs="+", default=["none"], choices=REMAT_CHOICES,
                  help="ModelConfig.remat values to measure, one update step each")
-  p.add_argument("--scan", action="store_true", help="ModelConfig.scan_layers=True")
-  p.add_argument("--dtype", default="float32",
-                 help="ModelConfig.dtype, the compute dtype (parameters stay float32)")
   p.add_argument("--repeats", type=int, default=3)
   p = sub.add_parser("logprobs", help="lean vs plain token log-probs")
   p.add_argument("--batch", type=int, default=4)
@@ -601,13 +603,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--group", type=int, default=8)
   p.add_argument("--prompt-len", type=int, default=256)
   p.add_argument("--new-tokens", type=int, default=64)
-  p.add_argument("--width", type=int, default=256)
-  p.add_argument("--layers", type=int, default=4)
-  p.add_argument("--heads", type=int, default=8)
-  p.add_argument("--kv-heads", type=int, default=4)
-  p.add_argument("--vocab", type=int, default=2048)
-  p.add_argument("--scan", action="store_true", help="ModelConfig.scan_layers=True")
-  p.add_argument("--dtype", default="float32")
+  _add_model_args(p, width=256, layers=4, heads=8, kv_heads=4, vocab=2048)
   p.add_argument("--repeats", type=int, default=5)
   p = sub.add_parser("iteration", help="one GSPO iteration, phase by phase")
   p.add_argument("--prompts", type=int, default=64)

@@ -157,14 +157,24 @@ def _record(state: _LoopState, token_BxG, logp_BxG, entropy_BxG, cfg: SamplerCon
                        entropy_BxGxT=put(state.entropy_BxGxT, entropy_BxG))
 
 
+def prompt_forward(model: Transformer, prompts_BxP: Array, prompt_lens_B: Array, *,
+                   replay: tuple[Array, ...] | None = None):
+  """The forward over right-padded prompts that both the sampler's prefill and shared-prefix
+  teacher forcing start from: (ModelOutput, valid_BxP, hidden of each last prompt token
+  last_BxD)."""
+  B, P = prompts_BxP.shape
+  positions_BxP = jnp.broadcast_to(jnp.arange(P), (B, P))
+  valid_BxP = positions_BxP < prompt_lens_B[:, None]
+  out = model(prompts_BxP, positions_BxP, valid_BxP, replay=replay)
+  last_BxD = jnp.take_along_axis(out.hidden_BxSxD, (prompt_lens_B - 1)[:, None, None], 1)[:, 0]
+  return out, valid_BxP, last_BxD
+
+
 def _sample(graphdef, params, prompts_BxP, prompt_lens_B, key, *, cfg: SamplerConfig) -> Rollout:
   model: Transformer = nnx.merge(graphdef, params)
   B, P = prompts_BxP.shape
   G, T = cfg.group_size, cfg.max_new_tokens
-  positions_BxP = jnp.broadcast_to(jnp.arange(P), (B, P))
-  valid_BxP = positions_BxP < prompt_lens_B[:, None]
-  out = model(prompts_BxP, positions_BxP, valid_BxP)
-  last_BxD = jnp.take_along_axis(out.hidden_BxSxD, (prompt_lens_B - 1)[:, None, None], 1)[:, 0]
+  out, valid_BxP, last_BxD = prompt_forward(model, prompts_BxP, prompt_lens_B)
   logits_BxGxV = jnp.broadcast_to(model.logits(last_BxD)[:, None], (B, G, model.cfg.vocab_size))
   state = _LoopState(t=jnp.zeros((), jnp.int32), last_BxG=jnp.zeros((B, G), jnp.int32),
                      done_BxG=jnp.zeros((B, G), bool),
@@ -321,14 +331,12 @@ def _shared_prefix_logprobs(model: Transformer, prompts_BxP, prompt_lens_B, toke
   if replay is not None:
     prompt_replay = tuple(r.reshape(B, G, P + T, -1)[:, 0, :P] for r in replay)
     cont_replay = tuple(r[:, P:] for r in replay)
-  valid_BxP = jnp.arange(P)[None, :] < prompt_lens_B[:, None]
-  prefix = model(prompts_BxP, jnp.broadcast_to(jnp.arange(P), (B, P)), valid_BxP,
-                 replay=prompt_replay)
+  prefix, valid_BxP, last_BxD = prompt_forward(model, prompts_BxP, prompt_lens_B,
+                                                replay=prompt_replay)
   positions = prompt_lens_B[:, None, None] + jnp.arange(T)[None, None, :]
   cont = model.extend(prefix, valid_BxP, tokens_BxGxT, jnp.broadcast_to(positions, (B, G, T)),
                       replay=cont_replay)
   # Response token 0 is predicted by the last prompt token, token t by response token t-1.
-  last_BxD = jnp.take_along_axis(prefix.hidden_BxSxD, (prompt_lens_B - 1)[:, None, None], 1)[:, 0]
   first = jnp.broadcast_to(last_BxD[:, None, None], (B, G, 1, last_BxD.shape[-1]))
   h = jnp.concatenate([first.reshape(B * G, 1, -1), cont.hidden_BxSxD[:, :T - 1]], axis=1)
   logp = token_logprobs_from_hidden(h, model.unembed_DxV(), tokens_BxGxT.reshape(B * G, T),
