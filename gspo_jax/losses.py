@@ -400,3 +400,24 @@ def grpo_loss(logp_BxT: Array, old_logp_BxT: Array, adv_B: Array, mask_BxT: Arra
 
 
 LOSSES = {"gspo": gspo_loss, "gspo_token": gspo_token_loss, "grpo": grpo_loss}
+
+# Each loss's own default hyperparameters (the paper's: GSPO 3e-4 / 4e-4 on the sequence
+# ratio, GRPO 0.2 / 0.27 on the token ratios). A config takes these unless it sets them.
+LOSS_DEFAULTS = {
+    "gspo": {"eps_low": 3e-4, "eps_high": 4e-4},
+    "gspo_token": {"eps_low": 3e-4, "eps_high": 4e-4},
+    "grpo": {"eps_low": 0.2, "eps_high": 0.27, "aggregation": "seq-mean-token-mean"},
+}
+
+
+def kl_loss(logp_BxT: Array, ref_logp_BxT: Array, mask_BxT: Array, *, estimator: str = "k3",
+            aggregation: str = "seq-mean-token-mean") -> tuple[Array, Metrics]:
+  """The KL(pi_theta || pi_ref) term a train step adds as `kl_coef * kl`: the per-token
+  estimate `kl_penalty` reduced by `aggregate` (use the policy loss's aggregation).
+
+  Returns:
+    (kl, {"kl": kl}) with kl a scalar in the compute dtype.
+  """
+  kl = aggregate(kl_penalty(logp_BxT, ref_logp_BxT, mask_BxT, estimator=estimator), mask_BxT,
+                 mode=aggregation)
+  return kl, {"kl": jax.lax.stop_gradient(kl)}
