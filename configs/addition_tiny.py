@@ -5,8 +5,8 @@ range (3e-4, 4e-4), 4 minibatches per rollout batch, group-normalised rewards, n
     python -m gspo_jax.train --config configs/addition_tiny.py
 """
 
+from gspo_jax.config import OptimConfig, RolloutConfig, SFTConfig, TrainConfig
 from gspo_jax.models.config import tiny
-from gspo_jax.train import OptimConfig, RolloutConfig, SFTConfig, TrainConfig
 
 
 def get_config() -> TrainConfig:
@@ -25,8 +25,7 @@ def get_config() -> TrainConfig:
       sft=SFTConfig(steps=400, batch_size=128, learning_rate=3e-3, target_accuracy=0.4,
                     check_every=20),
       loss="gspo",
-      eps_low=3e-4,
-      eps_high=4e-4,
+      # eps_low / eps_high unset: the loss's own clip range (GSPO 3e-4 / 4e-4, GRPO 0.2 / 0.27).
       num_minibatches=4,
       iterations=300,
       eval_every=50,

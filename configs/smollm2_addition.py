@@ -7,7 +7,7 @@ one-digit addition ("3+5=" -> "8"), no cold start.
     python -m gspo_jax.train --config configs/smollm2_addition.py
 """
 
-from gspo_jax.train import OptimConfig, RolloutConfig, SFTConfig, TrainConfig
+from gspo_jax.config import OptimConfig, RolloutConfig, SFTConfig, TrainConfig
 
 
 def get_config() -> TrainConfig:
@@ -22,8 +22,7 @@ def get_config() -> TrainConfig:
       optim=OptimConfig(learning_rate=1e-5, grad_clip=1.0),
       sft=SFTConfig(steps=0),
       loss="gspo",
-      eps_low=3e-4,
-      eps_high=4e-4,
+      # eps_low / eps_high unset: the loss's own clip range (GSPO 3e-4 / 4e-4, GRPO 0.2 / 0.27).
       num_minibatches=2,
       iterations=20,
       eval_every=10,

@@ -8,8 +8,8 @@ template (ChatML) with a short system prompt, no cold start.
         --data data/word_problems/held_out.jsonl --k 8
 """
 
+from gspo_jax.config import OptimConfig, RolloutConfig, SFTConfig, TrainConfig
 from gspo_jax.data import DataConfig
-from gspo_jax.train import OptimConfig, RolloutConfig, SFTConfig, TrainConfig
 
 REWARD = "experiments/word_problems/reward.py"
 
@@ -32,8 +32,7 @@ def get_config() -> TrainConfig:
       optim=OptimConfig(learning_rate=2e-5, grad_clip=1.0),
       sft=SFTConfig(steps=0),
       loss="gspo",
-      eps_low=3e-4,
-      eps_high=4e-4,
+      # eps_low / eps_high unset: the loss's own clip range (GSPO 3e-4 / 4e-4, GRPO 0.2 / 0.27).
       num_minibatches=2,
       # The sampler's log-probs are pi_old (float32 model: equal to a recompute, see
       # tests/test_train.py), saving one forward pass over the 64 rows per iteration.

@@ -36,134 +36,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from gspo_jax import _checks, checkpoint, configlib, losses, metrics, sampling, sharding
 from gspo_jax.advantages import group_advantages
-from gspo_jax.data import DataConfig
-from gspo_jax.models.config import ModelConfig, tiny
+from gspo_jax.config import (OptimConfig, RolloutConfig, SFTConfig, TrainConfig,  # noqa: F401
+                             check_routing)
+from gspo_jax.models.config import ModelConfig
 
 Array = jax.Array
-
-OLD_LOGP_SOURCES = ("recompute", "sampler")
-# MoE routing in the update (paper section 5.3):
-#   free:   every forward routes anew (GSPO needs nothing else);
-#   track:  record pi_old's expert choices, report `routing_changed` per update (diagnostic);
-#   replay: Routing Replay, pi_theta's forward reuses pi_old's recorded expert choices, the
-#           workaround GRPO needs on MoE models.
-ROUTING_MODES = ("free", "track", "replay")
-SAMPLER_DTYPES = ("", "float32", "bfloat16")
-
-
-@dataclasses.dataclass(frozen=True)
-class RolloutConfig:
-  prompts_per_iter: int = 16        # B
-  group_size: int = 8               # G
-  max_new_tokens: int = 6           # T
-  max_prompt_len: int = 16          # P: prompts are padded to this (static shapes, one compile)
-  temperature: float = 1.0
-  top_p: float = 1.0
-  top_k: int = 0
-  # Sample with parameters and activations cast to this dtype ("" = the trainer's): a
-  # bfloat16 inference engine next to a float32 trainer (paper section 5.4).
-  sampler_dtype: str = ""
-
-  def __post_init__(self):
-    _checks.check_choice("RolloutConfig", "sampler_dtype", self.sampler_dtype, SAMPLER_DTYPES)
-    if self.prompts_per_iter < 1 or self.group_size < 2:
-      raise ValueError("rollout.prompts_per_iter must be >= 1 and rollout.group_size >= 2 "
-                       "(group-normalised advantages need 2 responses per prompt)")
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimConfig:
-  learning_rate: float = 1e-4
-  warmup_steps: int = 0
-  decay_steps: int = 0              # cosine decay to 10% over this many steps; 0 = constant
-  weight_decay: float = 0.0
-  grad_clip: float = 1.0            # global-norm clip; 0 = off
-  b1: float = 0.9
-  b2: float = 0.99
-
-  def __post_init__(self):
-    if not self.learning_rate > 0:
-      raise ValueError(f"optim.learning_rate must be > 0; got {self.learning_rate}")
-
-
-@dataclasses.dataclass(frozen=True)
-class SFTConfig:
-  """Cold start: supervised steps on task demonstrations before RL (the paper starts RL
-  from a cold-start fine-tuned model)."""
-  steps: int = 300                  # maximum number of steps
-  batch_size: int = 64
-  learning_rate: float = 3e-3
-  # Stop early once greedy accuracy on a probe of *train-split* problems reaches this
-  # (0 = run all steps): RL then starts from comparable partial accuracy for every seed,
-  # where a fixed step count lands anywhere on a steep learning curve.
-  target_accuracy: float = 0.0
-  check_every: int = 20
-  probe_size: int = 256
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainConfig:
-  task: str = "addition"            # a built-in (gspo_jax.tasks.TASKS) or "dataset"
-  task_digits: int = 2
-  # task="dataset": prompts from data.train_file, scored by `reward`: specs
-  # "module:fn", "path/file.py:fn" or a built-in name, each optionally "*weight"
-  # (see gspo_jax/rewards.py); the first one decides correctness.
-  data: DataConfig = DataConfig()
-  reward: tuple[str, ...] = ()
-  model: ModelConfig = dataclasses.field(default_factory=lambda: tiny(vocab_size=32))
-  rollout: RolloutConfig = RolloutConfig()
-  optim: OptimConfig = OptimConfig()
-  sft: SFTConfig = SFTConfig()
-  loss: str = "gspo"
-  eps_low: float = 3e-4             # paper: GSPO 3e-4 / 4e-4, GRPO 0.2 / 0.27
-  eps_high: float = 4e-4
-  num_minibatches: int = 4
-  old_logp: str = "recompute"       # or "sampler": reuse the sampler's log-probs as pi_old
-  routing: str = "free"             # MoE only: "free", "track" or "replay" (see ROUTING_MODES)
-  kl_coef: float = 0.0
-  kl_estimator: str = "k3"
-  # Teacher forcing (pi_theta, pi_old, pi_ref) computes each prompt once for its G responses
-  # (`sampling.response_logprobs`); minibatches then hold whole groups (shuffled by group).
-  share_prompts: bool = False
-  iterations: int = 50
-  eval_every: int = 10
-  eval_size: int = 256
-  seed: int = 0
-  mesh: sharding.MeshConfig = sharding.MeshConfig()   # default: every device on `data`
-  # A Hugging Face model directory (config.json, safetensors, tokenizer) to start from
-  # instead of a fresh `model` with a task tokenizer; `model` is then taken from it.
-  pretrained: str = ""
-  pretrained_dtype: str = ""        # parameter dtype of the loaded model ("" = as stored)
-
-  def __post_init__(self):
-    _checks.check_choice("TrainConfig", "loss", self.loss, tuple(losses.LOSSES))
-    _checks.check_choice("TrainConfig", "old_logp", self.old_logp, OLD_LOGP_SOURCES)
-    _checks.check_choice("TrainConfig", "kl_estimator", self.kl_estimator, losses.KL_ESTIMATORS)
-    _checks.check_choice("TrainConfig", "routing", self.routing, ROUTING_MODES)
-    if not self.pretrained:
-      check_routing(self)
-    if (self.rollout.prompts_per_iter * self.rollout.group_size) % self.num_minibatches:
-      raise ValueError(f"TrainConfig.num_minibatches ({self.num_minibatches}) must divide "
-                       "rollout.prompts_per_iter * rollout.group_size")
-    if self.share_prompts and self.rollout.prompts_per_iter % self.num_minibatches:
-      raise ValueError(f"TrainConfig.share_prompts=True keeps groups whole, so num_minibatches "
-                       f"({self.num_minibatches}) must divide rollout.prompts_per_iter "
-                       f"({self.rollout.prompts_per_iter})")
-    if not (self.eps_low > 0 and self.eps_high > 0):
-      raise ValueError("TrainConfig.eps_low and eps_high must be > 0")
-    if self.task == "dataset" and not (self.data.train_file and self.reward):
-      raise ValueError("TrainConfig.task='dataset' needs data.train_file (JSONL) and reward "
-                       "(e.g. reward=my_module:my_reward)")
-    if self.task != "dataset" and (self.data.train_file or self.reward):
-      raise ValueError(f"TrainConfig.data.train_file and reward apply to task='dataset'; "
-                       f"task is {self.task!r}")
-
-
-def check_routing(cfg: TrainConfig) -> None:
-  if cfg.routing != "free" and not cfg.model.num_experts:
-    raise ValueError(f"TrainConfig.routing={cfg.routing!r} needs a Mixture-of-Experts model "
-                     "(model.num_experts > 0); a dense model has no routing to track or replay")
-
 
 @flax.struct.dataclass
 class TrainState:
@@ -216,10 +93,13 @@ def _minibatch_loss(params, graphdef, mb: Batch, cfg: TrainConfig):
   logp, router = teacher_forced(params, graphdef, mb.prompts_RxP, mb.prompt_lens_R, mb.tokens_RxT,
                                 cfg.rollout.temperature, replay=replay,
                                 group_size=shared_group(cfg))
-  loss, metrics = losses.LOSSES[cfg.loss](
-      logp, mb.old_logp_RxT, mb.adv_R, mb.mask_RxT, eps_low=cfg.eps_low,
-      eps_high=cfg.eps_high, ref_logp_BxT=mb.ref_logp_RxT, kl_coef=cfg.kl_coef,
-      kl_estimator=cfg.kl_estimator)
+  loss, metrics = losses.LOSSES[cfg.loss](logp, mb.old_logp_RxT, mb.adv_R, mb.mask_RxT,
+                                          **cfg.loss_kwargs())
+  if mb.ref_logp_RxT is not None:
+    kl, kl_metrics = losses.kl_loss(logp, mb.ref_logp_RxT, mb.mask_RxT,
+                                    estimator=cfg.kl_estimator, aggregation=cfg.kl_aggregation)
+    loss = loss + cfg.kl_coef * kl
+    metrics = {**metrics, **kl_metrics, "loss": jax.lax.stop_gradient(loss)}
   if cfg.routing == "track":
     metrics = {**metrics, "routing_changed": routing_changed(router.indices, mb.old_experts,
                                                              mb.mask_RxT)}

@@ -84,7 +84,7 @@ def test_track_reports_changed_routing_and_replay_removes_it(run):
   loss_free, _ = T._minibatch_loss(new.params, run.graphdef, batch,
                                    dataclasses.replace(run.cfg, routing="free"))
   want, _ = T.losses.LOSSES[run.cfg.loss](forced, batch.old_logp_RxT, batch.adv_R, batch.mask_RxT,
-                                           eps_low=run.cfg.eps_low, eps_high=run.cfg.eps_high)
+                                           **run.cfg.loss_kwargs())
   np.testing.assert_allclose(float(loss), float(want), rtol=1e-6)
   assert float(loss) != float(loss_free)
   # A full replayed update runs and moves the parameters.

@@ -175,7 +175,7 @@ def test_shipped_configs_load_and_validate():
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   cfg = configlib.load_config(os.path.join(root, "configs", "addition_tiny.py"))
   assert isinstance(cfg, T.TrainConfig) and cfg.loss == "gspo" and cfg.num_minibatches == 4
-  assert (cfg.eps_low, cfg.eps_high) == (3e-4, 4e-4)
+  assert cfg.loss_kwargs() == {"eps_low": 3e-4, "eps_high": 4e-4}
   assert configlib.from_dict(T.TrainConfig, configlib.to_dict(cfg)) == cfg
 
 

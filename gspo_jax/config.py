@@ -1,0 +1,178 @@
+"""The configs of a training run: frozen dataclasses, checked when they are built.
+
+A config file is a Python file whose `get_config()` returns a `TrainConfig` (configs/);
+`--set dotted.field=value` overrides any field (gspo_jax/configlib.py). Every check here
+names the field the user sets (`rollout.temperature`, not the sampler's own name), so a
+bad setting stops the run before any work.
+
+Loss hyperparameters left unset (None) take the chosen loss's own defaults from
+`losses.LOSS_DEFAULTS`: `--set loss=grpo` alone clips GRPO at 0.2 / 0.27, not at GSPO's
+3e-4 / 4e-4. `TrainConfig.loss_kwargs()` is what the train step passes to the loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from gspo_jax import _checks, losses, sharding
+from gspo_jax.data import DataConfig
+from gspo_jax.models.config import ModelConfig, tiny
+
+OLD_LOGP_SOURCES = ("recompute", "sampler")
+# MoE routing in the update (paper section 5.3):
+#   free:   every forward routes anew (GSPO needs nothing else);
+#   track:  record pi_old's expert choices, report `routing_changed` per update (diagnostic);
+#   replay: Routing Replay, pi_theta's forward reuses pi_old's recorded expert choices, the
+#           workaround GRPO needs on MoE models.
+ROUTING_MODES = ("free", "track", "replay")
+SAMPLER_DTYPES = ("", "float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+  prompts_per_iter: int = 16        # B
+  group_size: int = 8               # G
+  max_new_tokens: int = 6           # T
+  max_prompt_len: int = 16          # P: prompts are padded to this (static shapes, one compile)
+  temperature: float = 1.0
+  top_p: float = 1.0
+  top_k: int = 0
+  # Sample with parameters and activations cast to this dtype ("" = the trainer's): a
+  # bfloat16 inference engine next to a float32 trainer (paper section 5.4).
+  sampler_dtype: str = ""
+
+  def __post_init__(self):
+    _checks.check_choice("config", "rollout.sampler_dtype", self.sampler_dtype, SAMPLER_DTYPES)
+    if self.prompts_per_iter < 1 or self.group_size < 2:
+      raise ValueError("rollout.prompts_per_iter must be >= 1 and rollout.group_size >= 2 "
+                       "(group-normalised advantages need 2 responses per prompt)")
+    if self.max_new_tokens < 1 or self.max_prompt_len < 1:
+      raise ValueError(f"rollout.max_new_tokens ({self.max_new_tokens}) and "
+                       f"rollout.max_prompt_len ({self.max_prompt_len}) must be >= 1")
+    if not self.temperature > 0:
+      raise ValueError(f"rollout.temperature must be > 0; got {self.temperature}")
+    if not 0 < self.top_p <= 1:
+      raise ValueError(f"rollout.top_p must be in (0, 1]; got {self.top_p}")
+    if self.top_k < 0:
+      raise ValueError(f"rollout.top_k must be >= 0 (0 = off); got {self.top_k}")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+  learning_rate: float = 1e-4
+  warmup_steps: int = 0
+  decay_steps: int = 0              # cosine decay to 10% over this many steps; 0 = constant
+  weight_decay: float = 0.0
+  grad_clip: float = 1.0            # global-norm clip; 0 = off
+  b1: float = 0.9
+  b2: float = 0.99
+
+  def __post_init__(self):
+    if not self.learning_rate > 0:
+      raise ValueError(f"optim.learning_rate must be > 0; got {self.learning_rate}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTConfig:
+  """Cold start: supervised steps on task demonstrations before RL (the paper starts RL
+  from a cold-start fine-tuned model)."""
+  steps: int = 300                  # maximum number of steps
+  batch_size: int = 64
+  learning_rate: float = 3e-3
+  # Stop early once greedy accuracy on a probe of *train-split* problems reaches this
+  # (0 = run all steps): RL then starts from comparable partial accuracy for every seed,
+  # where a fixed step count lands anywhere on a steep learning curve.
+  target_accuracy: float = 0.0
+  check_every: int = 20
+  probe_size: int = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  task: str = "addition"            # a built-in (gspo_jax.tasks.TASKS) or "dataset"
+  task_digits: int = 2
+  # task="dataset": prompts from data.train_file, scored by `reward`: specs
+  # "module:fn", "path/file.py:fn" or a built-in name, each optionally "*weight"
+  # (see gspo_jax/rewards.py); the first one decides correctness.
+  data: DataConfig = DataConfig()
+  reward: tuple[str, ...] = ()
+  model: ModelConfig = dataclasses.field(default_factory=lambda: tiny(vocab_size=32))
+  rollout: RolloutConfig = RolloutConfig()
+  optim: OptimConfig = OptimConfig()
+  sft: SFTConfig = SFTConfig()
+  loss: str = "gspo"                # a key of losses.LOSSES
+  # None = the loss's own default (losses.LOSS_DEFAULTS): GSPO 3e-4 / 4e-4, GRPO 0.2 / 0.27.
+  eps_low: float | None = None
+  eps_high: float | None = None
+  # GRPO only: losses.AGGREGATIONS; None = the paper's seq-mean-token-mean.
+  aggregation: str | None = None
+  num_minibatches: int = 4
+  old_logp: str = "recompute"       # or "sampler": reuse the sampler's log-probs as pi_old
+  routing: str = "free"             # MoE only: "free", "track" or "replay" (see ROUTING_MODES)
+  kl_coef: float = 0.0
+  kl_estimator: str = "k3"
+  # Teacher forcing (pi_theta, pi_old, pi_ref) computes each prompt once for its G responses
+  # (`teacher_forcing.response_logprobs`); minibatches then hold whole groups.
+  share_prompts: bool = False
+  iterations: int = 50
+  eval_every: int = 10
+  eval_size: int = 256
+  seed: int = 0
+  mesh: sharding.MeshConfig = sharding.MeshConfig()   # default: every device on `data`
+  # A Hugging Face model directory (config.json, safetensors, tokenizer) to start from
+  # instead of a fresh `model` with a task tokenizer; `model` is then taken from it.
+  pretrained: str = ""
+  pretrained_dtype: str = ""        # parameter dtype of the loaded model ("" = as stored)
+
+  def __post_init__(self):
+    _checks.check_choice("config", "loss", self.loss, tuple(losses.LOSSES))
+    _checks.check_choice("config", "old_logp", self.old_logp, OLD_LOGP_SOURCES)
+    _checks.check_choice("config", "kl_estimator", self.kl_estimator, losses.KL_ESTIMATORS)
+    _checks.check_choice("config", "routing", self.routing, ROUTING_MODES)
+    if self.aggregation is not None:
+      _checks.check_choice("config", "aggregation", self.aggregation, losses.AGGREGATIONS)
+      if self.loss != "grpo":
+        raise ValueError(f"config: aggregation applies to loss='grpo' (GSPO and GSPO-token "
+                         f"average each response's tokens, paper Eq. 5); loss is {self.loss!r}")
+    if not self.pretrained:
+      check_routing(self)
+    if (self.rollout.prompts_per_iter * self.rollout.group_size) % self.num_minibatches:
+      raise ValueError(f"num_minibatches ({self.num_minibatches}) must divide "
+                       "rollout.prompts_per_iter * rollout.group_size")
+    if self.share_prompts and self.rollout.prompts_per_iter % self.num_minibatches:
+      raise ValueError(f"share_prompts=True keeps groups whole, so num_minibatches "
+                       f"({self.num_minibatches}) must divide rollout.prompts_per_iter "
+                       f"({self.rollout.prompts_per_iter})")
+    for name in ("eps_low", "eps_high"):
+      value = getattr(self, name)
+      if value is not None and not value > 0:
+        raise ValueError(f"{name} must be > 0 (or unset for the loss's default); got {value}")
+    if self.kl_coef < 0:
+      raise ValueError(f"kl_coef must be >= 0; got {self.kl_coef}")
+    if self.task == "dataset" and not (self.data.train_file and self.reward):
+      raise ValueError("task='dataset' needs data.train_file (JSONL) and reward "
+                       "(e.g. reward=my_module:my_reward)")
+    if self.task != "dataset" and (self.data.train_file or self.reward):
+      raise ValueError(f"data.train_file and reward apply to task='dataset'; "
+                       f"task is {self.task!r}")
+
+  def loss_kwargs(self) -> dict[str, Any]:
+    """Keyword arguments of `losses.LOSSES[self.loss]`: the loss's own defaults
+    (`losses.LOSS_DEFAULTS`) with what this config sets."""
+    kwargs = dict(losses.LOSS_DEFAULTS[self.loss])
+    set_here = {"eps_low": self.eps_low, "eps_high": self.eps_high,
+                "aggregation": self.aggregation}
+    kwargs.update({k: v for k, v in set_here.items() if v is not None})
+    return kwargs
+
+  @property
+  def kl_aggregation(self) -> str:
+    """The KL term is reduced like the policy loss."""
+    return self.loss_kwargs().get("aggregation", "seq-mean-token-mean")
+
+
+def check_routing(cfg: TrainConfig) -> None:
+  if cfg.routing != "free" and not cfg.model.num_experts:
+    raise ValueError(f"routing={cfg.routing!r} needs a Mixture-of-Experts model "
+                     "(model.num_experts > 0); a dense model has no routing to track or replay")
