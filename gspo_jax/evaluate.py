@@ -20,10 +20,8 @@ import re
 
 import jax
 import numpy as np
-from flax import nnx
 
-from gspo_jax import sampling, sharding
-from gspo_jax import train as T
+from gspo_jax import programs, sharding, text
 
 
 def pass_at_k(n: int, c, k: int):
@@ -42,38 +40,36 @@ def pass_at_k(n: int, c, k: int):
   return out if out.ndim else float(out)
 
 
-def _generate(model, tok, chunk, scfg, cfg, mesh, key):
+def _generate(run, sampler, params, chunk, key):
   """Responses to this process's rows of `chunk`: (its examples, texts [rows][G])."""
-  rows = slice(0, len(chunk)) if mesh is None else sharding.local_rows(
-      sharding.batch_sharding(mesh), len(chunk))
-  prompts, lens = T.encode_prompts(tok, chunk[rows], cfg.rollout.max_prompt_len)
-  if mesh is not None:
-    prompts, lens = T.feed(prompts, mesh, len(chunk)), T.feed(lens, mesh, len(chunk))
-  rollout = sampling.sample_groups(model, prompts, lens, key, scfg, mesh=mesh)
+  cfg, tok, mesh = run.cfg, run.tok, run.layout.mesh
+  mine = sharding.local_part(chunk, mesh)
+  prompts, lens = text.encode_prompts(tok, [e.prompt for e in mine], cfg.rollout.max_prompt_len)
+  rollout = sampler(params, sharding.feed(prompts, mesh, len(chunk)),
+                    sharding.feed(lens, mesh, len(chunk)), key)
   tokens, mask = sharding.to_host(rollout.tokens_BxGxT), sharding.to_host(rollout.mask_BxGxT)
   b, G, L = tokens.shape
-  texts = T.decode_completions(tok, tokens.reshape(b * G, L), mask.reshape(b * G, L))
-  return chunk[rows], [texts[i * G:(i + 1) * G] for i in range(b)]
+  texts = text.decode_completions(tok, tokens.reshape(b * G, L), mask.reshape(b * G, L))
+  return mine, [texts[i * G:(i + 1) * G] for i in range(b)]
 
 
-def _responses(params, graphdef, task, tok, examples, cfg, scfg, *, mesh, batch, seed=0):
-  """Score G responses per example, chunk by chunk (each chunk padded with copies of its
-  last problem to a multiple of the batch mesh axes; padding not counted).
+def _responses(run, sampler, params, examples, *, batch: int, seed: int = 0):
+  """Score the sampler's responses to each example, chunk by chunk (each chunk padded with
+  copies of its last problem to a multiple of the batch mesh axes; padding not counted).
 
   Returns (correct_NxG bool, rewards_NxG, this process's (example, texts) pairs)."""
-  ways = 1 if mesh is None else sharding.batch_ways(mesh)
+  ways = sharding.batch_ways(run.layout.mesh)
   batch = -(-batch // ways) * ways
-  model = nnx.merge(graphdef, params)
   correct, rewards, shown = [], [], []
   for start in range(0, len(examples), batch):
     chunk = list(examples[start:start + batch])
     n = len(chunk)
     chunk += chunk[-1:] * (-n % ways)
     key = jax.random.fold_in(jax.random.key(seed), start)
-    mine, texts = _generate(model, tok, chunk, scfg, cfg, mesh, key)
-    G = scfg.group_size
+    mine, texts = _generate(run, sampler, params, chunk, key)
+    G = len(texts[0]) if texts else 1
     flat_ex = [e for e in mine for _ in range(G)]
-    r, c, _ = task.score_batch(flat_ex, [t for ts in texts for t in ts])
+    r, c, _ = run.task.score_batch(flat_ex, [t for ts in texts for t in ts])
     scored = np.stack([np.asarray(c, np.float64), np.asarray(r, np.float64)], -1)
     scored = sharding.gather_rows(scored.reshape(len(mine), G, 2))[:n]
     correct.append(scored[..., 0] > 0.5)
@@ -82,30 +78,24 @@ def _responses(params, graphdef, task, tok, examples, cfg, scfg, *, mesh, batch,
   return np.concatenate(correct), np.concatenate(rewards), shown
 
 
-def evaluate(params, graphdef, task, tok, examples, cfg: "T.TrainConfig", *, mesh=None,
-             batch: int = 256):
-  """Greedy accuracy and mean reward on `examples` (G = 1, argmax decoding).
+def evaluate(run, params, examples, *, batch: int = 256):
+  """Greedy accuracy and mean reward of the policy `params` on `examples` (G = 1, argmax
+  decoding, the run's `programs.greedy`). `run` is a `gspo_jax.run.Run`.
 
   With a mesh, each process decodes and scores its own rows, and the results are gathered
   over processes."""
-  scfg = sampling.SamplerConfig(group_size=1, max_new_tokens=cfg.rollout.max_new_tokens,
-                                eos_id=tok.eos_id, pad_id=tok.pad_id,
-                                max_prompt_len=cfg.rollout.max_prompt_len, greedy=True,
-                                vocab_limit=tok.vocab_size)
-  correct, rewards, shown = _responses(params, graphdef, task, tok, examples, cfg, scfg,
-                                       mesh=mesh, batch=batch)
+  correct, rewards, shown = _responses(run, run.programs.greedy, params, examples, batch=batch)
   return {"accuracy": float(correct.mean()), "reward": float(rewards.mean()),
           "greedy": [texts[0] for _, texts in shown]}
 
 
-def sample_pass_at_k(params, graphdef, task, tok, examples, cfg: "T.TrainConfig", *, n: int,
-                     k: int, mesh=None, batch: int = 32, seed: int = 0):
+def sample_pass_at_k(run, params, examples, *, n: int, k: int, batch: int = 32, seed: int = 0):
   """pass@k (mean over examples) from n responses per example, sampled like the rollouts
   (temperature, top-p, top-k of cfg.rollout). Returns the metric, the mean reward, the
   per-example correct counts and this process's (example, texts)."""
-  scfg = dataclasses.replace(T.sampler_config(tok, cfg), group_size=n)
-  correct, rewards, shown = _responses(params, graphdef, task, tok, examples, cfg, scfg,
-                                       mesh=mesh, batch=batch, seed=seed)
+  rollout_cfg, _ = programs.sampler_configs(run.tok, run.cfg)
+  sampler = run.programs.sampler(dataclasses.replace(rollout_cfg, group_size=n))
+  correct, rewards, shown = _responses(run, sampler, params, examples, batch=batch, seed=seed)
   counts = correct.sum(-1)
   return {f"pass@{k}": float(np.mean(pass_at_k(n, counts, k))), "sample_reward":
           float(rewards.mean()), "correct_counts": counts.tolist(), "samples": shown}
@@ -130,7 +120,8 @@ def _examples_to_show(greedy, samples, correct_counts, how_many: int) -> list[di
 
 def run_evaluation(args) -> dict:
   run_dir, step = _locate(args.checkpoint or args.run, args.step)
-  run = T.load_run(run_dir, step=step)
+  from gspo_jax.run import heldout, load_run
+  run = load_run(run_dir, step=step)
   cfg = run.cfg if args.size is None else dataclasses.replace(run.cfg, eval_size=args.size)
   if args.data:
     from gspo_jax.data import DatasetTask, examples_from_file
@@ -138,16 +129,14 @@ def run_evaluation(args) -> dict:
       raise SystemExit(f"--data needs a run of task='dataset'; {run_dir} trained {cfg.task!r}")
     examples = examples_from_file(run.task, args.data)[:args.size]  # all unless --size
   else:
-    examples = T.heldout(run.task, cfg)
-  mesh = run.layout.mesh
-  greedy = evaluate(run.state.params, run.graphdef, run.task, run.tok, examples, cfg, mesh=mesh)
+    examples = heldout(run.task, cfg)
+  greedy = evaluate(run, run.state.params, examples)
   report = {"run": run_dir, "step": int(run.state.step), "data": args.data or "held-out set",
             "prompts": len(examples), "accuracy": greedy["accuracy"], "reward": greedy["reward"]}
   samples, counts = [(e, [g]) for e, g in zip(examples, greedy["greedy"])], [None] * len(examples)
   if args.k:
     n = max(args.n or args.k, args.k)
-    sampled = sample_pass_at_k(run.state.params, run.graphdef, run.task, run.tok, examples, cfg,
-                               n=n, k=args.k, mesh=mesh, seed=args.seed)
+    sampled = sample_pass_at_k(run, run.state.params, examples, n=n, k=args.k, seed=args.seed)
     report.update({"k": args.k, "n": n, f"pass@{args.k}": sampled[f"pass@{args.k}"],
                    "sample_reward": sampled["sample_reward"],
                    "temperature": cfg.rollout.temperature,

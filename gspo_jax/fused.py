@@ -9,6 +9,9 @@ iff its tokens are the canonical encoding of the answer followed by EOS. That is
 than the text reward in one corner: a different tokenization of the same text (never the
 tokenizer's own output) scores 0 here; `experiments/benchmark.py iteration` reports how
 often the two agree. Python rewards keep the phased loop of `gspo_jax.train`.
+
+It lives beside `gspo_jax.programs` rather than in it: it is an opt-in program with a
+reward of its own (token ids, not text), used by the benchmarks, not by `train`.
 """
 
 from __future__ import annotations
@@ -17,10 +20,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from flax import nnx
 
-from gspo_jax import sampling, train
+from gspo_jax import programs, rng, sampling, step
+from gspo_jax.config import TrainConfig
+from gspo_jax.sampling import SamplerConfig
+from gspo_jax.step import TrainState
 
 Array = jax.Array
 
@@ -43,37 +47,28 @@ def exact_match_reward(tokens_BxGxT: Array, answer_BxA: Array, answer_lens_B: Ar
   return (ok & fits_B[:, None]).astype(jnp.float32)
 
 
-def encode_answers(tok, examples, max_len: int):
-  """Canonical answer ids (right-padded with pad_id) and their lengths: (ids_BxA, lens_B)."""
-  ids = np.full((len(examples), max_len), tok.pad_id, np.int32)
-  lens = np.zeros(len(examples), np.int32)
-  for i, ex in enumerate(examples):
-    row = tok.encode(ex.answer)[:max_len]
-    ids[i, :len(row)], lens[i] = row, len(row)
-  return ids, lens
-
-
-def _iteration(state: train.TrainState, prompts_BxP, lens_B, answer_BxA, answer_lens_B, *,
-               graphdef, tx, cfg: train.TrainConfig, scfg: sampling.SamplerConfig):
-  """The body of `make_fused_iteration` (pure: state in, state and metrics out)."""
-  model = nnx.merge(graphdef, state.params)
-  key = jax.random.fold_in(state.key, 2 * state.step)  # the phased loop's sampling key
-  rollout = sampling.sample_groups(model, prompts_BxP, lens_B, key, scfg)
+def _iteration(state: TrainState, prompts_BxP, lens_B, answer_BxA, answer_lens_B, *,
+               graphdef, tx, cfg: TrainConfig, scfg: SamplerConfig):
+  """The body of `make_fused_iteration` (pure: state in, state and metrics out). The same
+  functions as the phased loop: the run's "sample" stream, `step.prepare`, `step.update`."""
+  key = rng.device_key(state.key, state.step, "sample")
+  rollout = sampling.sample(graphdef, state.params, prompts_BxP, lens_B, key, cfg=scfg)
   rewards_BxG = exact_match_reward(rollout.tokens_BxGxT, answer_BxA, answer_lens_B, scfg.eos_id)
-  batch = train.with_advantages(train.prepare(state.params, None, prompts_BxP, lens_B, rollout,
-                                              graphdef=graphdef, cfg=cfg), rewards_BxG)
-  state, metrics = train.update(state, batch, graphdef=graphdef, tx=tx, cfg=cfg)
+  batch = step.prepare(state.params, None, rollout, prompts_BxP, lens_B, graphdef=graphdef,
+                       cfg=cfg)
+  state, metrics = step.update(state, batch, rewards_BxG, graphdef=graphdef, tx=tx, cfg=cfg)
   return state, {**metrics, "reward_mean": jnp.mean(rewards_BxG),
-                 "response_length": jnp.mean(rollout.lengths_BxG.astype(jnp.float32))}
+                 **sampling.rollout_stats(rollout)}
 
 
-def make_fused_iteration(run: train.Run):
-  """One jitted (state, prompts_BxP, lens_B, answer_BxA, answer_lens_B) -> (state, metrics);
-  the state is donated. Single-process, no KL reference, exact-match tasks only."""
+def make_fused_iteration(run):
+  """One jitted (state, prompts_BxP, lens_B, answer_BxA, answer_lens_B) -> (state, metrics)
+  for a `gspo_jax.run.Run`; the state is donated. Single-process, no KL reference,
+  exact-match tasks only (answers encoded with `text.encode_answers`)."""
   if run.cfg.kl_coef:
-    raise ValueError("fused iteration: TrainConfig.kl_coef must be 0 (no reference policy)")
+    raise ValueError("fused iteration: kl_coef must be 0 (no reference policy)")
   if getattr(run.task, "format_reward", 0.0):
     raise ValueError("fused iteration: the task's format_reward must be 0 (exact match only)")
   fn = functools.partial(_iteration, graphdef=run.graphdef, tx=run.tx, cfg=run.cfg,
-                         scfg=train.sampler_config(run.tok, run.cfg))
+                         scfg=programs.sampler_configs(run.tok, run.cfg)[0])
   return jax.jit(fn, donate_argnums=(0,))

@@ -3,7 +3,7 @@
 Legend: B prompts, G responses per prompt, P prompt positions, T response positions,
 V vocabulary, D hidden.
 
-Layout (shared with `response_logprobs`, which the trainer uses): prompts are
+Layout (shared with `teacher_forcing.response_logprobs`, which the trainer uses): prompts are
 right-padded to P with `prompt_lens_B` valid tokens; prompt token p sits at position p,
 response token t at position prompt_len + t.
 
@@ -29,8 +29,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from gspo_jax import _checks, sharding
-from gspo_jax.logprobs import token_logprobs_from_hidden
 from gspo_jax.models.transformer import KVCache, Transformer
+from gspo_jax.teacher_forcing import prompt_forward
 
 Array = jax.Array
 
@@ -120,7 +120,7 @@ def first_argmax(x: Array) -> Array:
 
   XLA:CPU runs argmax's (value, index) pair reduction element by element; max followed by
   the smallest index attaining it vectorises, and picking the token was 1.9x cheaper
-  (Gumbel noise and log-softmax included) at vocabularies 2,048 and 151,936 (README).
+  (Gumbel noise and log-softmax included) at vocabularies 2,048 and 151,936.
   A row containing NaN yields index V - 1 (argmax would point at the NaN).
   """
   V = x.shape[-1]
@@ -157,20 +157,10 @@ def _record(state: _LoopState, token_BxG, logp_BxG, entropy_BxG, cfg: SamplerCon
                        entropy_BxGxT=put(state.entropy_BxGxT, entropy_BxG))
 
 
-def prompt_forward(model: Transformer, prompts_BxP: Array, prompt_lens_B: Array, *,
-                   replay: tuple[Array, ...] | None = None):
-  """The forward over right-padded prompts that both the sampler's prefill and shared-prefix
-  teacher forcing start from: (ModelOutput, valid_BxP, hidden of each last prompt token
-  last_BxD)."""
-  B, P = prompts_BxP.shape
-  positions_BxP = jnp.broadcast_to(jnp.arange(P), (B, P))
-  valid_BxP = positions_BxP < prompt_lens_B[:, None]
-  out = model(prompts_BxP, positions_BxP, valid_BxP, replay=replay)
-  last_BxD = jnp.take_along_axis(out.hidden_BxSxD, (prompt_lens_B - 1)[:, None, None], 1)[:, 0]
-  return out, valid_BxP, last_BxD
-
-
-def _sample(graphdef, params, prompts_BxP, prompt_lens_B, key, *, cfg: SamplerConfig) -> Rollout:
+def sample(graphdef, params, prompts_BxP, prompt_lens_B, key, *, cfg: SamplerConfig) -> Rollout:
+  """The sampler as a pure function (traceable; `gspo_jax.programs` and `sample_groups`
+  compile it): prefill each prompt once, then decode G responses per prompt in a
+  `lax.while_loop` until every response has ended or T tokens are out."""
   model: Transformer = nnx.merge(graphdef, params)
   B, P = prompts_BxP.shape
   G, T = cfg.group_size, cfg.max_new_tokens
@@ -209,37 +199,6 @@ def _finish(tokens_BxGxT, logp_BxGxT, entropy_BxGxT, steps, cfg: SamplerConfig) 
                  truncated_BxG=~ended, steps=steps)
 
 
-_PROGRAMS: dict = {}
-
-
-def sampler_program(graphdef, params, cfg: SamplerConfig, mesh: Mesh | None = None):
-  """The rollout phase's one compiled program: prefill, the decode loop and bookkeeping.
-
-  With a mesh, its shardings are declared here: parameters by the rules table
-  (`sharding.param_shardings`), prompts and every (B, ...) output split by rows over the
-  batch mesh axes, the key and `steps` replicated. Nothing is donated: the sampler replaces
-  none of its inputs (its KV cache lives and dies inside the program). One program per
-  (model structure, cfg, mesh), cached.
-  """
-  leaves = jax.tree.leaves(params)
-  cache_key = (graphdef, cfg, mesh, jax.tree.structure(params),
-               tuple((x.shape, str(x.dtype)) for x in leaves))
-  if cache_key not in _PROGRAMS:
-    fn = functools.partial(_sample, graphdef, cfg=cfg)
-    if mesh is None:
-      _PROGRAMS[cache_key] = jax.jit(fn)
-    else:
-      rows = lambda ndim: sharding.batch_sharding(mesh, ndim)
-      rep = sharding.replicated(mesh)
-      out = Rollout(tokens_BxGxT=rows(3), mask_BxGxT=rows(3), logp_BxGxT=rows(3),
-                    entropy_BxGxT=rows(3), lengths_BxG=rows(2), eos_BxG=rows(2),
-                    truncated_BxG=rows(2), steps=rep)
-      _PROGRAMS[cache_key] = jax.jit(
-          fn, in_shardings=(sharding.param_shardings(params, mesh), rows(2), rows(1), rep),
-          out_shardings=out)
-  return _PROGRAMS[cache_key]
-
-
 def _validate_prompts(fn: str, prompts_BxP, prompt_lens_B, cfg: SamplerConfig) -> None:
   _checks.check_rank(fn, "prompts_BxP", prompts_BxP, 2, "B, P")
   _checks.check_shape(fn, "prompt_lens_B", prompt_lens_B, np.shape(prompts_BxP)[:1],
@@ -261,6 +220,10 @@ def sample_groups(model: Transformer, prompts_BxP: Array, prompt_lens_B: Array, 
                   cfg: SamplerConfig, *, mesh: Mesh | None = None) -> Rollout:
   """Sample `cfg.group_size` responses for each prompt (one jitted call, deterministic per key).
 
+  For use outside a training run (generation, evaluation of a loaded model, tests): compiled
+  through jax.jit's own cache (one program per model structure, cfg, mesh and input shapes).
+  A training run builds its sampler program once instead (`gspo_jax.programs`).
+
   Args:
     model: the policy (its current parameters are used; the model is not modified).
     prompts_BxP: right-padded prompt ids. prompt_lens_B: valid prompt tokens per row (>= 1).
@@ -275,75 +238,31 @@ def sample_groups(model: Transformer, prompts_BxP: Array, prompt_lens_B: Array, 
   if mesh is not None:
     sharding.check_rows("the number of prompts B", np.shape(prompts_BxP)[0], mesh)
   graphdef, params = nnx.split(model)
-  program = sampler_program(graphdef, params, cfg, mesh)
-  return program(params, jnp.asarray(prompts_BxP, jnp.int32),
-                 jnp.asarray(prompt_lens_B, jnp.int32), key)
+  return _sample_jit(params, jnp.asarray(prompts_BxP, jnp.int32),
+                     jnp.asarray(prompt_lens_B, jnp.int32), key, graphdef=graphdef, cfg=cfg,
+                     mesh=mesh)
 
 
-def response_logprobs(model: Transformer, prompts_BxP: Array, prompt_lens_B: Array,
-                      tokens_BxGxT: Array, *, temperature: float = 1.0,
-                      replay: tuple[Array, ...] | None = None, chunk_size: int = 128):
-  """Teacher-forced log-probs of responses (what the trainer computes for pi_theta / pi_old).
-
-  Each of the B*G rows is [prompt (right-padded to P), response (T)] with prompt positions
-  0..P-1 (padding invalid) and response positions prompt_len + t; response token t is
-  predicted from the hidden state of the token before it (the last prompt token for t=0).
-  Uses the memory-lean `token_logprobs_from_hidden`.
-
-  With G > 1 each prompt is computed once and its keys are shared by its G responses
-  (`Transformer.extend`): P + G*T positions per prompt instead of G*(P + T), the same
-  function (tested to float rounding, gradients included). G = 1 runs the plain forward
-  over the concatenated rows.
-
-  replay: per MoE layer (B*G, P+T, K) expert indices (Routing Replay); with G > 1 the
-  prompt part is taken from each group's first row (a prompt routes the same in every row).
-  Returns:
-    (logp_BxGxT float32, RouterInfo: expert indices per MoE layer (B*G, P+T, K); its aux_loss
-    counts each prompt once when G > 1).
-  """
-  B, P = prompts_BxP.shape
-  _, G, T = tokens_BxGxT.shape
-  if G > 1:
-    return _shared_prefix_logprobs(model, prompts_BxP, prompt_lens_B, tokens_BxGxT,
-                                   temperature=temperature, replay=replay, chunk_size=chunk_size)
-  rows = lambda x: jnp.repeat(x, G, axis=0)
-  lens = rows(prompt_lens_B)
-  seq = jnp.concatenate([rows(prompts_BxP), tokens_BxGxT.reshape(B * G, T)], axis=1)
-  positions = jnp.concatenate([jnp.broadcast_to(jnp.arange(P), (B * G, P)),
-                               lens[:, None] + jnp.arange(T)[None, :]], axis=1)
-  valid = jnp.concatenate([jnp.arange(P)[None, :] < lens[:, None], jnp.ones((B * G, T), bool)], 1)
-  out = model(seq, positions, valid, replay=replay)
-  # Index of the hidden state that predicts response token t.
-  src = jnp.concatenate([lens[:, None] - 1, P + jnp.broadcast_to(jnp.arange(T - 1), (B * G, T - 1))],
-                        axis=1)
-  h = jnp.take_along_axis(out.hidden_BxSxD, src[..., None], axis=1)
-  logp = token_logprobs_from_hidden(h, model.unembed_DxV(), tokens_BxGxT.reshape(B * G, T),
-                                    temperature=temperature, chunk_size=chunk_size)
-  return logp.reshape(B, G, T), out.router
+@functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "mesh"))
+def _sample_jit(params, prompts_BxP, prompt_lens_B, key, *, graphdef, cfg, mesh):
+  rollout = sample(graphdef, params, prompts_BxP, prompt_lens_B, key, cfg=cfg)
+  if mesh is None:
+    return rollout
+  rows = lambda x: jax.lax.with_sharding_constraint(x, sharding.batch_sharding(mesh, x.ndim))
+  return rollout.replace(**{f: rows(getattr(rollout, f)) for f in ROW_FIELDS})
 
 
-def _shared_prefix_logprobs(model: Transformer, prompts_BxP, prompt_lens_B, tokens_BxGxT, *,
-                            temperature, replay, chunk_size):
-  """`response_logprobs` with each prompt computed once for its G responses."""
-  B, P = prompts_BxP.shape
-  _, G, T = tokens_BxGxT.shape
-  prompt_replay = cont_replay = None
-  if replay is not None:
-    prompt_replay = tuple(r.reshape(B, G, P + T, -1)[:, 0, :P] for r in replay)
-    cont_replay = tuple(r[:, P:] for r in replay)
-  prefix, valid_BxP, last_BxD = prompt_forward(model, prompts_BxP, prompt_lens_B,
-                                                replay=prompt_replay)
-  positions = prompt_lens_B[:, None, None] + jnp.arange(T)[None, None, :]
-  cont = model.extend(prefix, valid_BxP, tokens_BxGxT, jnp.broadcast_to(positions, (B, G, T)),
-                      replay=cont_replay)
-  # Response token 0 is predicted by the last prompt token, token t by response token t-1.
-  first = jnp.broadcast_to(last_BxD[:, None, None], (B, G, 1, last_BxD.shape[-1]))
-  h = jnp.concatenate([first.reshape(B * G, 1, -1), cont.hidden_BxSxD[:, :T - 1]], axis=1)
-  logp = token_logprobs_from_hidden(h, model.unembed_DxV(), tokens_BxGxT.reshape(B * G, T),
-                                    temperature=temperature, chunk_size=chunk_size)
-  # Expert choices in the layout of the unshared forward: (B*G, P+T, K) per MoE layer.
-  indices = tuple(jnp.concatenate([jnp.repeat(p, G, axis=0), c], axis=1)
-                  for p, c in zip(prefix.router.indices, cont.router.indices))
-  router = prefix.router.replace(indices=indices,
-                                 aux_loss=prefix.router.aux_loss + cont.router.aux_loss)
-  return logp.reshape(B, G, T), router
+ROW_FIELDS = ("tokens_BxGxT", "mask_BxGxT", "logp_BxGxT", "entropy_BxGxT", "lengths_BxG",
+              "eos_BxG", "truncated_BxG")  # Rollout's (B, ...) arrays; `steps` is a scalar
+
+
+def rollout_stats(rollout: Rollout) -> dict[str, Array]:
+  """Scalars that describe a rollout, computed where the rollout lives (on device):
+  mean and max response length (counted tokens), the fraction truncated at max_new_tokens,
+  the mean entropy per counted token, the counted tokens and the decode steps taken."""
+  tokens = jnp.sum(rollout.mask_BxGxT)
+  lengths = rollout.lengths_BxG.astype(jnp.float32)
+  return {"response_length": jnp.mean(lengths), "response_length_max": jnp.max(lengths),
+          "truncated_frac": jnp.mean(rollout.truncated_BxG.astype(jnp.float32)),
+          "entropy": jnp.sum(rollout.entropy_BxGxT) / jnp.maximum(tokens, 1),
+          "response_tokens": tokens, "decode_steps": rollout.steps}

@@ -228,3 +228,16 @@ def barrier(name: str) -> None:
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils
     multihost_utils.sync_global_devices(name)
+
+
+def local_part(items, mesh: Mesh):
+  """This process's share of a global batch of host items (examples, texts): every process
+  draws the same global batch (a pure function of seed and step) and encodes only the rows
+  its devices hold."""
+  return items[local_rows(batch_sharding(mesh), len(items))]
+
+
+def feed(local, mesh: Mesh, rows: int) -> jax.Array:
+  """A global row-sharded array of `rows` rows from this process's rows (`local_part`)."""
+  local = np.asarray(local)
+  return to_global(local, batch_sharding(mesh, local.ndim), (rows, *local.shape[1:]))

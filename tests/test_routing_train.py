@@ -7,32 +7,45 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
-from gspo_jax import sharding
-from gspo_jax import train as T
+from gspo_jax import losses, programs, sharding, step
+from gspo_jax import config as C
+from gspo_jax import run as R
 from gspo_jax.models.config import tiny, tiny_moe
+from gspo_jax.rollout import rollout_step
 
 
-def moe_cfg(**kw) -> T.TrainConfig:
+def moe_cfg(**kw) -> C.TrainConfig:
   base = dict(
       model=tiny_moe(vocab_size=24, hidden=32, num_heads=2, num_kv_heads=1, head_dim=16,
                      num_experts=4, experts_per_token=2, moe_mlp_dim=16),
-      rollout=T.RolloutConfig(prompts_per_iter=4, group_size=4, max_new_tokens=4, max_prompt_len=8),
-      sft=T.SFTConfig(steps=0), optim=T.OptimConfig(learning_rate=3e-2),
+      rollout=C.RolloutConfig(prompts_per_iter=4, group_size=4, max_new_tokens=4, max_prompt_len=8),
+      sft=C.SFTConfig(steps=0), optim=C.OptimConfig(learning_rate=3e-2),
       iterations=1, eval_every=0, eval_size=8, num_minibatches=2,
       mesh=sharding.MeshConfig(num_devices=1))
-  return T.TrainConfig(**{**base, **kw})
+  return C.TrainConfig(**{**base, **kw})
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-  return T.setup(moe_cfg(routing="track"), str(tmp_path_factory.mktemp("moe")))
+  return R.setup(moe_cfg(routing="track"), str(tmp_path_factory.mktemp("moe")))
 
 
-def with_advantages(batch):
-  adv = np.random.default_rng(0).normal(size=batch.adv_R.shape)
-  return batch.replace(adv_R=jnp.asarray(adv, jnp.float32))
+def rollout(run):
+  """(batch, random rewards): an untrained model earns reward 0 everywhere."""
+  r = rollout_step(run, run.state.params, run.state.key, 0)
+  rewards = np.random.default_rng(0).normal(size=r.rewards_BxG.shape)
+  return r.batch, jnp.asarray(rewards, jnp.float32)
+
+
+def forward(run, params, batch, replay=None):
+  """pi_theta's teacher-forced log-probs (rows B*G x T) and RouterInfo."""
+  logp, router = step.policy_logprobs(params, run.graphdef, batch, run.cfg, replay=replay)
+  return logp.reshape(-1, logp.shape[-1]), router
+
+
+def flat(x):
+  return x.reshape(-1, x.shape[-1])
 
 
 def test_routing_changed_compares_sets_on_counted_tokens():
@@ -42,66 +55,63 @@ def test_routing_changed_compares_sets_on_counted_tokens():
   # Row 0: position 1 same set reordered (unchanged), position 2 changed; row 1: none changed.
   # The prompt position (index 0) never counts.
   mask = jnp.array([[1.0, 1.0], [1.0, 1.0]])
-  assert float(T.routing_changed((new,), (old,), mask)) == pytest.approx(1 / 4)
+  assert float(step.routing_changed((new,), (old,), mask)) == pytest.approx(1 / 4)
   mask = jnp.array([[1.0, 0.0], [1.0, 1.0]])          # the changed token is padding
-  assert float(T.routing_changed((new,), (old,), mask)) == 0.0
+  assert float(step.routing_changed((new,), (old,), mask)) == 0.0
   # Two layers average: a layer where everything changed.
-  assert float(T.routing_changed((new, old + 1), (old, old), jnp.ones((2, 2)))) == \
+  assert float(step.routing_changed((new, old + 1), (old, old), jnp.ones((2, 2)))) == \
       pytest.approx((1 / 4 + 1) / 2)
 
 
 def test_prepare_records_the_old_policy_expert_choices(run):
-  batch, _ = T.rollout_step(run, run.state)
+  batch, _ = rollout(run)
   assert len(batch.old_experts) == run.cfg.model.num_moe_layers
-  _, router = T.teacher_forced(run.state.params, run.graphdef, batch.prompts_RxP,
-                               batch.prompt_lens_R, batch.tokens_RxT, 1.0)
+  _, router = forward(run, run.state.params, batch)
   for got, want in zip(batch.old_experts, router.indices):
     np.testing.assert_array_equal(got, want)
 
 
 def test_track_reports_changed_routing_and_replay_removes_it(run):
   state = run.state
-  batch, _ = T.rollout_step(run, state)
-  batch = with_advantages(batch)
-  new, m = run.programs.update(jax.tree.map(jnp.copy, state), batch)
+  batch, rewards = rollout(run)
+  new, m = run.programs.update(jax.tree.map(jnp.copy, state), batch, rewards)
   # lr 3e-2: the second minibatch's forward routes some tokens differently from pi_old.
   assert 0.0 < float(m["routing_changed"]) < 1.0
 
   # Routing Replay: pi_theta's forward uses the recorded choices -- its log-probs equal a
   # forward with those indices forced, and differ from free routing under the new params.
-  replayed, router_free = T.teacher_forced(new.params, run.graphdef, batch.prompts_RxP,
-                                           batch.prompt_lens_R, batch.tokens_RxT, 1.0)
-  assert float(T.routing_changed(router_free.indices, batch.old_experts, batch.mask_RxT)) > 0
-  forced, router_forced = T.teacher_forced(new.params, run.graphdef, batch.prompts_RxP,
-                                           batch.prompt_lens_R, batch.tokens_RxT, 1.0,
-                                           replay=batch.old_experts)
+  mask = flat(batch.mask_BxGxT)
+  replayed, router_free = forward(run, new.params, batch)
+  assert float(step.routing_changed(router_free.indices, batch.old_experts, mask)) > 0
+  forced, router_forced = forward(run, new.params, batch, replay=batch.old_experts)
   for got, want in zip(router_forced.indices, batch.old_experts):
     np.testing.assert_array_equal(got, want)
-  assert float(jnp.max(jnp.abs(forced - replayed) * batch.mask_RxT)) > 0
+  assert float(jnp.max(jnp.abs(forced - replayed) * mask)) > 0
 
   replay = run.reconfigure(dataclasses.replace(run.cfg, routing="replay"))
-  loss, metrics = T._minibatch_loss(new.params, run.graphdef, batch, replay.cfg)
-  loss_free, _ = T._minibatch_loss(new.params, run.graphdef, batch,
-                                   dataclasses.replace(run.cfg, routing="free"))
-  want, _ = T.losses.LOSSES[run.cfg.loss](forced, batch.old_logp_RxT, batch.adv_R, batch.mask_RxT,
-                                           **run.cfg.loss_kwargs())
+  from gspo_jax.advantages import group_advantages
+  mb = step.Minibatch(batch, group_advantages(rewards))
+  loss, metrics = step.minibatch_loss(new.params, run.graphdef, mb, replay.cfg)
+  loss_free, _ = step.minibatch_loss(new.params, run.graphdef, mb,
+                                     dataclasses.replace(run.cfg, routing="free"))
+  want, _ = losses.LOSSES[run.cfg.loss](forced, flat(batch.old_logp_BxGxT),
+                                        mb.adv_bxg.reshape(-1), mask, **run.cfg.loss_kwargs())
   np.testing.assert_allclose(float(loss), float(want), rtol=1e-6)
   assert float(loss) != float(loss_free)
   # A full replayed update runs and moves the parameters.
-  new2, m2 = replay.programs.update(jax.tree.map(jnp.copy, state), batch)
+  new2, m2 = replay.programs.update(jax.tree.map(jnp.copy, state), batch, rewards)
   assert float(m2["skipped_updates"]) == 0 and np.isfinite(float(m2["loss"]))
 
 
 def test_replay_at_theta_old_changes_nothing(run):
   # One minibatch, theta = theta_old: free and replayed routing give the same update.
-  batch, _ = T.rollout_step(run, run.state)
-  batch = with_advantages(batch)
+  batch, rewards = rollout(run)
   outs = []
   for mode in ("free", "replay"):
     cfg = dataclasses.replace(run.cfg, routing=mode, num_minibatches=1)
     r = run.reconfigure(cfg)
     b = batch if mode == "replay" else batch.replace(old_experts=None)
-    new, m = r.programs.update(jax.tree.map(jnp.copy, run.state), b)
+    new, m = r.programs.update(jax.tree.map(jnp.copy, run.state), b, rewards)
     outs.append((jax.tree.leaves(new.params), float(m["loss"]), float(m["ratio_max"])))
   assert outs[0][1] == outs[1][1] and outs[0][2] == outs[1][2] == 1.0
   for a, b in zip(outs[0][0], outs[1][0]):
@@ -119,32 +129,38 @@ def test_bfloat16_sampler_feeds_its_own_log_probs_as_pi_old(run):
   cfg = dataclasses.replace(run.cfg, routing="free", old_logp="sampler",
                             rollout=dataclasses.replace(run.cfg.rollout, sampler_dtype="bfloat16"))
   r = run.reconfigure(cfg)
-  policy = T.sampler_policy(r.graphdef, r.state.params, cfg.model, "bfloat16")
-  assert {str(x.dtype) for x in jax.tree.leaves(nnx.state(policy))} == {"bfloat16"}
+  # The sampler program casts inside: its compiled computation runs in bfloat16, the
+  # trainer's parameters stay float32.
+  rollout_cfg, _ = programs.sampler_configs(r.tok, cfg)
+  sampler = programs.sampler_program(r.graphdef, rollout_cfg, r.layout, model_cfg=cfg.model,
+                                     dtype="bfloat16")
+  prompts, lens = jnp.ones((4, 8), jnp.int32), jnp.full((4,), 3, jnp.int32)
+  hlo = sampler.lower(r.state.params, prompts, lens, jax.random.key(0)).as_text()
+  assert "bf16" in hlo
   assert {str(x.dtype) for x in jax.tree.leaves(r.state.params)} == {"float32"}
-  batch, _ = T.rollout_step(r, r.state)
-  recomputed = T.score_logprobs(r.state.params, r.graphdef, batch.prompts_RxP,
-                                batch.prompt_lens_R, batch.tokens_RxT, 1.0) * batch.mask_RxT
-  gap = np.abs(np.asarray(batch.old_logp_RxT - recomputed))[np.asarray(batch.mask_RxT) > 0]
+  batch, _ = rollout(r)
+  recomputed = flat(step.policy_logprobs(r.state.params, r.graphdef, batch, cfg)[0])
+  mask = flat(batch.mask_BxGxT)
+  gap = np.abs(np.asarray(flat(batch.old_logp_BxGxT) - recomputed * mask))[np.asarray(mask) > 0]
   # pi_old is the bf16 sampler's: close to the float32 trainer's, but not equal.
   assert 0 < gap.max() < 0.2
   with pytest.raises(ValueError, match="sampler_dtype"):
-    T.RolloutConfig(sampler_dtype="float16")
+    C.RolloutConfig(sampler_dtype="float16")
 
 
 def test_replayed_update_sharded_equals_single_device(run, tmp_path):
   # The recorded expert choices travel row-split with the batch: a replayed update on a
   # data=2 x fsdp=2 mesh equals the single-device one.
-  batch, _ = T.rollout_step(run, run.state)
-  batch = with_advantages(batch)
+  batch, rewards = rollout(run)
   single = run.reconfigure(dataclasses.replace(run.cfg, routing="replay"))
-  want_state, want_m = single.programs.update(jax.tree.map(jnp.copy, run.state), batch)
+  want_state, want_m = single.programs.update(jax.tree.map(jnp.copy, run.state), batch, rewards)
   cfg = dataclasses.replace(single.cfg, mesh=sharding.MeshConfig(data=2, fsdp=2, num_devices=4))
-  sharded = T.setup(cfg, str(tmp_path))
+  sharded = R.setup(cfg, str(tmp_path))
   sharded.state = jax.device_put(jax.device_get(run.state), sharded.layout.state)
   got_state, got_m = sharded.programs.update(sharded.state,
                                              jax.device_put(jax.device_get(batch),
-                                                            sharded.layout.batch))
+                                                            sharded.layout.batch),
+                                             jax.device_put(rewards, sharded.layout.rows(2)))
   for k in ("loss", "ratio_max", "clip_frac_token"):
     np.testing.assert_allclose(float(got_m[k]), float(want_m[k]), rtol=1e-5, atol=1e-7)
   # Parameters within 1% of one Adam step (lr): where a gradient is tiny, Adam's g/sqrt(v)

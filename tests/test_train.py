@@ -11,54 +11,93 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gspo_jax import configlib, sharding
+from gspo_jax import configlib, sharding, text
+from gspo_jax import config as C
+from gspo_jax import run as R
 from gspo_jax import train as T
 from gspo_jax.models.config import tiny
+from gspo_jax.rollout import rollout_step
 
 
-def tiny_cfg(**kw) -> T.TrainConfig:
+def tiny_cfg(**kw) -> C.TrainConfig:
   base = dict(
       model=tiny(vocab_size=24, hidden=32, mlp_dim=64, num_heads=2, num_kv_heads=1, head_dim=16),
-      rollout=T.RolloutConfig(prompts_per_iter=4, group_size=4, max_new_tokens=4, max_prompt_len=8),
-      sft=T.SFTConfig(steps=30, batch_size=32, learning_rate=3e-3),
-      optim=T.OptimConfig(learning_rate=1e-3),
+      rollout=C.RolloutConfig(prompts_per_iter=4, group_size=4, max_new_tokens=4, max_prompt_len=8),
+      sft=C.SFTConfig(steps=30, batch_size=32, learning_rate=3e-3),
+      optim=C.OptimConfig(learning_rate=1e-3),
       iterations=2, eval_every=0, eval_size=16, num_minibatches=2,
       mesh=sharding.MeshConfig(num_devices=1))
-  return T.TrainConfig(**{**base, **kw})
+  return C.TrainConfig(**{**base, **kw})
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-  return T.setup(tiny_cfg(), str(tmp_path_factory.mktemp("run")))
+  return R.setup(tiny_cfg(), str(tmp_path_factory.mktemp("run")))
 
 
 def leaves(tree):
   return [np.asarray(x) for x in jax.tree.leaves(tree)]
 
 
+def rollout(run, step=0):
+  return rollout_step(run, run.state.params, run.state.key, step)
+
+
+def random_rewards(r, seed):
+  """An untrained model earns reward 0 everywhere (advantages 0, no gradient): give the
+  rows random rewards so the update has something to do."""
+  return jnp.asarray(np.random.default_rng(seed).normal(size=r.rewards_BxG.shape), jnp.float32)
+
+
 @pytest.mark.parametrize("loss,eps", [("gspo", (3e-4, 4e-4)), ("gspo_token", (3e-4, 4e-4)),
                                       ("grpo", (0.2, 0.27))])
 def test_one_iteration_of_each_loss(run, loss, eps):
-  cfg = tiny_cfg(loss=loss, eps_low=eps[0], eps_high=eps[1])
+  cfg = tiny_cfg(loss=loss)
+  assert (cfg.loss_kwargs()["eps_low"], cfg.loss_kwargs()["eps_high"]) == eps
   run = run.reconfigure(cfg)
-  state = run.state
-  before = leaves(state.params)
-  batch, stats = T.rollout_step(run, state)
-  # An untrained model earns reward 0 everywhere (advantages 0, no gradient): give the
-  # rows advantages so the update has something to do.
-  batch = batch.replace(adv_R=jnp.asarray(np.random.default_rng(0).normal(size=batch.adv_R.shape),
-                                          jnp.float32))
-  state = jax.tree.map(jnp.copy, state)  # the update donates its input
-  new, m = run.programs.update(state, batch)
+  before = leaves(run.state.params)
+  r = rollout(run)
+  state = jax.tree.map(jnp.copy, run.state)  # the update donates its input
+  new, m = run.programs.update(state, r.batch, random_rewards(r, 0))
   assert int(new.step) == 1
-  assert all(np.isfinite(float(v)) for v in m.values()) and all(np.isfinite(v) for v in stats.values())
+  assert all(np.isfinite(float(v)) for v in m.values())
+  assert all(np.isfinite(float(v)) for v in {**r.stats, **r.device_stats}.values())
   assert any(np.any(a != b) for a, b in zip(before, leaves(new.params)))
   assert float(m["skipped_updates"]) == 0
   # Old log-probs recomputed by the trainer equal the sampler's (same policy, same tokens).
   sampler_run = run.reconfigure(dataclasses.replace(cfg, old_logp="sampler"))
-  batch2, _ = T.rollout_step(sampler_run, run.state)
-  np.testing.assert_array_equal(batch2.tokens_RxT, batch.tokens_RxT)
-  np.testing.assert_allclose(batch2.old_logp_RxT, batch.old_logp_RxT, rtol=1e-5, atol=1e-5)
+  r2 = rollout(sampler_run)
+  np.testing.assert_array_equal(r2.batch.tokens_BxGxT, r.batch.tokens_BxGxT)
+  np.testing.assert_allclose(r2.batch.old_logp_BxGxT, r.batch.old_logp_BxGxT, rtol=1e-5,
+                             atol=1e-5)
+
+
+def test_grpo_alone_takes_grpo_clip_range_and_aggregation():
+  cfg = configlib.apply_overrides(tiny_cfg(), ["loss=grpo"])
+  assert cfg.loss_kwargs() == {"eps_low": 0.2, "eps_high": 0.27,
+                               "aggregation": "seq-mean-token-mean"}
+  cfg = configlib.apply_overrides(cfg, ["aggregation=token-mean", "eps_high=0.28"])
+  assert cfg.loss_kwargs() == {"eps_low": 0.2, "eps_high": 0.28, "aggregation": "token-mean"}
+  assert tiny_cfg().loss_kwargs() == {"eps_low": 3e-4, "eps_high": 4e-4}
+  with pytest.raises(configlib.ConfigError, match="aggregation applies to loss='grpo'"):
+    configlib.apply_overrides(tiny_cfg(), ["aggregation=token-mean"])
+
+
+def test_grpo_alone_trains_with_grpo_clip_range(run, monkeypatch):
+  # What the train step hands the loss when only loss=grpo is set.
+  from gspo_jax import losses
+  seen = {}
+  real = losses.LOSSES["grpo"]
+
+  def spy(*args, **kwargs):
+    seen.update(kwargs)
+    return real(*args, **kwargs)
+
+  monkeypatch.setitem(losses.LOSSES, "grpo", spy)
+  grpo = run.reconfigure(configlib.apply_overrides(tiny_cfg(), ["loss=grpo"]))
+  r = rollout(grpo)
+  grpo.programs.update(jax.tree.map(jnp.copy, grpo.state), r.batch, random_rewards(r, 0))
+  assert seen == {"eps_low": 0.2, "eps_high": 0.27, "aggregation": "seq-mean-token-mean"}
 
 
 def test_on_policy_single_minibatch_losses_give_the_same_update(run):
@@ -66,10 +105,8 @@ def test_on_policy_single_minibatch_losses_give_the_same_update(run):
   results = []
   for loss in ("gspo", "gspo_token", "grpo"):
     r = run.reconfigure(tiny_cfg(loss=loss, num_minibatches=1))
-    batch, _ = T.rollout_step(r, r.state)
-    batch = batch.replace(adv_R=jnp.asarray(
-        np.random.default_rng(1).normal(size=batch.adv_R.shape), jnp.float32))
-    new, m = r.programs.update(jax.tree.map(jnp.copy, r.state), batch)
+    ro = rollout(r)
+    new, m = r.programs.update(jax.tree.map(jnp.copy, r.state), ro.batch, random_rewards(ro, 1))
     results.append((leaves(new.params), float(m["loss"])))
   for params, loss in results[1:]:
     assert abs(loss - results[0][1]) < 1e-6
@@ -77,11 +114,12 @@ def test_on_policy_single_minibatch_losses_give_the_same_update(run):
       np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_non_finite_gradient_skips_the_update(run):
-  batch, _ = T.rollout_step(run, run.state)
-  bad = batch.replace(adv_R=batch.adv_R.at[0].set(jnp.nan))
-  new, m = run.programs.update(jax.tree.map(jnp.copy, run.state), bad)
-  # The minibatch holding row 0 is skipped (params of that step unchanged); others apply.
+def test_non_finite_loss_skips_the_update(run):
+  r = rollout(run)
+  # The first response token always counts: a NaN pi_old there makes its minibatch's loss NaN.
+  bad = r.batch.replace(old_logp_BxGxT=r.batch.old_logp_BxGxT.at[0, 0, 0].set(jnp.nan))
+  new, m = run.programs.update(jax.tree.map(jnp.copy, run.state), bad, random_rewards(r, 2))
+  # The minibatch holding that row is skipped (params of that step unchanged); others apply.
   assert float(m["skipped_updates"]) >= 1
   assert all(np.all(np.isfinite(x)) for x in leaves(new.params))
 
@@ -108,7 +146,7 @@ def test_resume_equals_uninterrupted(tmp_path, capsys):
 
 
 def test_kl_reference_is_the_cold_start_policy_across_resume(tmp_path):
-  cfg = tiny_cfg(iterations=2, kl_coef=0.1, sft=T.SFTConfig(steps=2))
+  cfg = tiny_cfg(iterations=2, kl_coef=0.1, sft=C.SFTConfig(steps=2))
   T.train(cfg, str(tmp_path / "full"), checkpoint_every=1, progress=False)
   T.train(dataclasses.replace(cfg, iterations=1), str(tmp_path / "part"), checkpoint_every=1,
           progress=False)
@@ -122,7 +160,7 @@ def test_kl_reference_is_the_cold_start_policy_across_resume(tmp_path):
 
 
 def test_half_written_checkpoint_is_ignored(tmp_path):
-  cfg = tiny_cfg(iterations=2, sft=T.SFTConfig(steps=1))
+  cfg = tiny_cfg(iterations=2, sft=C.SFTConfig(steps=1))
   T.train(cfg, str(tmp_path), checkpoint_every=1, progress=False)
   ckpts = tmp_path / "checkpoints"
   (ckpts / "7").mkdir()  # a step directory without orbax's metadata: a crashed save
@@ -136,15 +174,15 @@ def test_half_written_checkpoint_is_ignored(tmp_path):
 
 
 def test_existing_run_without_resume_is_refused(tmp_path):
-  cfg = tiny_cfg(iterations=1, sft=T.SFTConfig(steps=1))
+  cfg = tiny_cfg(iterations=1, sft=C.SFTConfig(steps=1))
   T.train(cfg, str(tmp_path), progress=False)
   with pytest.raises(ValueError, match="--resume"):
     T.train(cfg, str(tmp_path), progress=False)
 
 
 def test_config_round_trip_and_overrides():
-  cfg = tiny_cfg(loss="grpo", eps_low=0.2, eps_high=0.27)
-  back = configlib.from_dict(T.TrainConfig, json.loads(json.dumps(configlib.to_dict(cfg))))
+  cfg = tiny_cfg(loss="grpo", eps_low=0.2, eps_high=None)
+  back = configlib.from_dict(C.TrainConfig, json.loads(json.dumps(configlib.to_dict(cfg))))
   assert back == cfg
   changed = configlib.apply_overrides(cfg, ["rollout.group_size=8", "model.qk_norm=false",
                                             "optim.learning_rate=3e-4"])
@@ -160,8 +198,8 @@ def test_config_round_trip_and_overrides():
 def test_decode_marks_special_tokens(run):
   tok = run.tok
   ids = np.asarray([tok.encode("1") + [tok.bos_id] + tok.encode("22") + [tok.eos_id]])
-  text = T.decode_completions(tok, ids, np.ones_like(ids, np.float32))[0]
-  assert text == "1\ufffd22" and not run.task.is_correct(run.task.example(10, 12), text)
+  out = text.decode_completions(tok, ids, np.ones_like(ids, np.float32))[0]
+  assert out == "1\ufffd22" and not run.task.is_correct(run.task.example(10, 12), out)
 
 
 def test_unwritable_run_dir_fails_before_training(tmp_path):
@@ -174,18 +212,18 @@ def test_unwritable_run_dir_fails_before_training(tmp_path):
 def test_shipped_configs_load_and_validate():
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   cfg = configlib.load_config(os.path.join(root, "configs", "addition_tiny.py"))
-  assert isinstance(cfg, T.TrainConfig) and cfg.loss == "gspo" and cfg.num_minibatches == 4
+  assert isinstance(cfg, C.TrainConfig) and cfg.loss == "gspo" and cfg.num_minibatches == 4
   assert cfg.loss_kwargs() == {"eps_low": 3e-4, "eps_high": 4e-4}
-  assert configlib.from_dict(T.TrainConfig, configlib.to_dict(cfg)) == cfg
+  assert configlib.from_dict(C.TrainConfig, configlib.to_dict(cfg)) == cfg
 
 
 def test_cold_start_stops_at_the_target_accuracy(run, monkeypatch):
   from gspo_jax import coldstart
   lines = []
-  cfg = tiny_cfg(sft=T.SFTConfig(steps=10, batch_size=8, target_accuracy=0.4, check_every=2))
-  monkeypatch.setattr(coldstart, "_probe_accuracy", lambda *a: 0.3 if len(lines) < 2 else 0.5)
-  params = coldstart.cold_start(run.state.params, run.graphdef, run.task, run.tok, cfg,
-                                mesh=run.layout.mesh, log=lines.append)
+  cfg = tiny_cfg(sft=C.SFTConfig(steps=10, batch_size=8, target_accuracy=0.4, check_every=2))
+  monkeypatch.setattr(coldstart.evaluate, "evaluate",
+                      lambda *a, **k: {"accuracy": 0.3 if len(lines) < 2 else 0.5})
+  params = coldstart.cold_start(run.reconfigure(cfg), log=lines.append)
   # Checks at steps 2 (0.3), 4 (0.3), 6 (0.5 >= 0.4: stop); never 8 or 10.
   assert [l.split(":")[0] for l in lines[:3]] == ["cold start step    2/10",
                                                   "cold start step    4/10",

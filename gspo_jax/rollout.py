@@ -1,0 +1,67 @@
+"""One rollout of a training iteration: prompts -> G responses each -> rewards.
+
+Legend: B prompts per iteration, G responses per prompt, P prompt tokens, T response tokens.
+
+The device work is dispatched without waiting: the sampler, then `prepare` (pi_old and
+pi_ref by teacher forcing) right behind it. The host waits only for the sampled tokens,
+decodes and scores them (user reward functions run in Python) while `prepare` runs, and
+feeds the rewards back; the update program turns them into advantages.
+
+Multi-host: each process encodes its rows of the prompt batch, decodes and scores the
+responses on its own devices, and feeds its rows of the rewards back; the host metrics are
+gathered over processes, the rollout statistics come from the sampler program itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from gspo_jax import sharding, text
+from gspo_jax.step import Batch
+
+
+@dataclasses.dataclass
+class RolloutResult:
+  batch: Batch                     # on device (prepare may still be running)
+  rewards_BxG: jax.Array           # global, row-sharded
+  stats: dict[str, Any]            # host-side: rewards, accuracy, reward parts, timings
+  device_stats: dict[str, jax.Array]   # from the sampler program: lengths, truncation, entropy
+
+
+def rollout_step(run, params, key, step: int, ref_params=None, log=print) -> RolloutResult:
+  """Sample, score and prepare the update batch of iteration `step` (a host int).
+
+  `run` is a `gspo_jax.run.Run`; `params` and `key` are the policy's and the run's
+  (TrainState.params, TrainState.key)."""
+  cfg, tok, mesh = run.cfg, run.tok, run.layout.mesh
+  B = cfg.rollout.prompts_per_iter
+  # Data position = a pure function of (seed, iteration): resume is exact.
+  examples = sharding.local_part(run.task.train_batch(cfg.seed, step, B), mesh)
+  prompts_l, lens_l = text.encode_prompts(tok, [e.prompt for e in examples],
+                                          cfg.rollout.max_prompt_len)
+  prompts, lens = sharding.feed(prompts_l, mesh, B), sharding.feed(lens_l, mesh, B)
+  t0 = time.perf_counter()
+  rollout, device_stats = run.programs.sample(params, prompts, lens, key, step)
+  batch = run.programs.prepare(params, ref_params, rollout, prompts, lens)
+  tokens, mask = sharding.to_host(rollout.tokens_BxGxT), sharding.to_host(rollout.mask_BxGxT)
+  time_sample = time.perf_counter() - t0
+  t0 = time.perf_counter()
+  b, G, T = tokens.shape
+  texts = text.decode_completions(tok, tokens.reshape(b * G, T), mask.reshape(b * G, T))
+  rewards, correct, parts = run.task.score_batch([e for e in examples for _ in range(G)], texts,
+                                                 log=log)
+  rewards_BxG = sharding.feed(np.asarray(rewards, np.float32).reshape(b, G), mesh, B)
+  all_rewards, all_correct = sharding.gather_rows(rewards), sharding.gather_rows(correct)
+  stats = {"reward_mean": all_rewards.mean(), "reward_std": all_rewards.std(),
+           "accuracy": all_correct.mean(), "time_sample": time_sample,
+           "time_score": time.perf_counter() - t0}
+  stats.update({k: sharding.gather_rows(v).mean() for k, v in parts.items()})
+  position = run.task.position(step, B)
+  if position is not None:
+    stats["data_epoch"], stats["data_index"] = position
+  return RolloutResult(batch, rewards_BxG, stats, device_stats)

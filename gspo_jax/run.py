@@ -1,0 +1,143 @@
+"""Setting up a run: mesh, task, tokenizer, model, optimiser, the compiled programs, the
+reference policy, and loading a run directory back.
+
+`setup` does everything that can fail on a bad setting before any training work; the loop
+(`gspo_jax.train`) and evaluation (`gspo_jax.evaluate`) start from the `Run` it returns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from gspo_jax import checkpoint, configlib, rng, sharding
+from gspo_jax.config import TrainConfig, check_routing
+from gspo_jax.programs import (Layout, Programs, batch_moe_layers, check_layout, make_layout,
+                               make_programs)
+from gspo_jax.step import TrainState, make_optimizer, sft_optimizer
+
+
+@dataclasses.dataclass
+class Run:
+  cfg: TrainConfig
+  task: Any
+  tok: Any
+  graphdef: Any
+  state: TrainState
+  tx: Any
+  layout: Layout
+  programs: Programs
+
+  def reconfigure(self, cfg: TrainConfig) -> "Run":
+    """The same run and state with other loss settings (the programs are rebuilt)."""
+    check_routing(cfg)
+    layout = _layout(self.state.params, self.tx, self.layout.mesh, cfg)
+    return dataclasses.replace(self, cfg=cfg, layout=layout,
+                               programs=make_programs(self.graphdef, self.tx, cfg, layout,
+                                                      self.tok))
+
+
+def _layout(params, tx, mesh, cfg: TrainConfig) -> Layout:
+  sft_tx = sft_optimizer(cfg.sft) if cfg.sft.steps > 0 else None
+  return make_layout(params, tx, mesh, bool(cfg.kl_coef), batch_moe_layers(cfg), sft_tx)
+
+
+def make_task(cfg: TrainConfig):
+  """The built-in task `cfg.task`, or for task="dataset" the JSONL prompts and rewards."""
+  if cfg.task == "dataset":
+    from gspo_jax.data import DatasetTask
+    return DatasetTask(cfg.data, cfg.reward)
+  from gspo_jax.tasks import make_task as builtin
+  return builtin(cfg.task, digits=cfg.task_digits)
+
+
+def with_chat_template(task, tok, cfg: TrainConfig):
+  """A dataset task's prompts rendered with a pretrained tokenizer's own chat template
+  (unless data.chat_template is off or the tokenizer has none); other tasks unchanged."""
+  from gspo_jax import chat
+  from gspo_jax.data import DatasetTask
+  if not (isinstance(task, DatasetTask) and cfg.pretrained and cfg.data.chat_template):
+    return task
+  render = chat.tokenizer_renderer(tok, system_prompt=cfg.data.system_prompt)
+  return task if render is None else task.with_renderer(render)
+
+
+def make_tokenizer(task, cfg: TrainConfig, run_dir: str):
+  """Train the task tokenizer (or load the run's own on resume), saved next to the run."""
+  from gspo_jax.tokenizer import SentencePieceTokenizer
+  path = os.path.join(run_dir, "tokenizer.model")
+  if not os.path.exists(path) and jax.process_index() == 0:
+    corpus = task.corpus(rng.host_rng(cfg.seed, "tokenizer_corpus"), 20_000)
+    SentencePieceTokenizer.train(corpus, vocab_size=cfg.model.vocab_size).save(run_dir)
+  sharding.barrier("tokenizer")  # multi-host: the run directory must be shared by all hosts
+  if not os.path.exists(path):
+    raise ValueError(f"process {jax.process_index()} cannot see {path}: in multi-host runs the "
+                     "run directory must be on a filesystem every host shares")
+  return SentencePieceTokenizer.load(run_dir)
+
+
+def setup(cfg: TrainConfig, run_dir: str) -> Run:
+  """Mesh, task, tokenizer, the sharded model and optimiser state, the compiled programs."""
+  from gspo_jax.models.transformer import Transformer
+  mesh = sharding.make_mesh(cfg.mesh)
+  check_layout(cfg, mesh)
+  checkpoint.check_writable(run_dir)
+  task = make_task(cfg)
+  if cfg.pretrained:
+    from gspo_jax.hf_tokenizer import load_tokenizer
+    from gspo_jax.models import hf
+    tok = load_tokenizer(cfg.pretrained)
+    task = with_chat_template(task, tok, cfg)
+    model = hf.load(cfg.pretrained, mesh=mesh, param_dtype=cfg.pretrained_dtype or None)
+    cfg = dataclasses.replace(cfg, model=model.cfg)
+    check_routing(cfg)
+  else:
+    tok = make_tokenizer(task, cfg, run_dir)
+    model = sharding.init_sharded(Transformer, cfg.model, mesh, cfg.seed)
+  if tok.vocab_size > cfg.model.vocab_size:
+    raise ValueError(f"tokenizer has {tok.vocab_size} ids > model.vocab_size={cfg.model.vocab_size}")
+  tx = make_optimizer(cfg.optim)
+  graphdef, params = nnx.split(model, nnx.Param)
+  layout = _layout(params, tx, mesh, cfg)
+  programs = make_programs(graphdef, tx, cfg, layout, tok)
+  return Run(cfg, task, tok, graphdef, programs.init(params), tx, layout, programs)
+
+
+def load_run(run_dir: str, step: int | None = None) -> Run:
+  """Config, tokenizer and the newest (or given) checkpoint of a run directory."""
+  cfg = configlib.load_json(TrainConfig, os.path.join(run_dir, "config.json"))
+  run = setup(cfg, run_dir)
+  ckpt = checkpoint.Checkpointer(os.path.join(run_dir, "checkpoints"), every=0, keep=1)
+  try:
+    if ckpt.latest_step() is None:
+      raise ValueError(f"no complete checkpoint in {run_dir!r}")
+    run.state = ckpt.restore(run.state, step)
+  finally:
+    ckpt.close()
+  return run
+
+
+def heldout(task, cfg: TrainConfig):
+  """The fixed held-out set (same for every evaluation of a run)."""
+  return task.eval_examples(cfg.seed, cfg.eval_size)
+
+
+def reference_params(run: Run, run_dir: str, *, fresh: bool):
+  """The KL reference: the cold-start policy, saved once to <run>/reference and restored
+  on resume (the resumed policy must not become its own reference)."""
+  ckpt = checkpoint.Checkpointer(os.path.join(run_dir, "reference"), every=0, keep=1)
+  try:
+    if fresh:
+      ckpt.maybe_save(0, run.state.params, force=True)
+      return jax.tree.map(jnp.copy, run.state.params)  # the policy's buffers get donated
+    if ckpt.latest_step() is None:
+      raise ValueError(f"kl_coef > 0 but {run_dir!r} has no saved reference policy "
+                       "(the run was started with kl_coef = 0)")
+    return ckpt.restore(run.state.params)
+  finally:
+    ckpt.close()

@@ -1,0 +1,237 @@
+"""The train step as pure functions: pi_old (`prepare`), then minibatch updates (`update`).
+
+Legend: B prompts per iteration, G responses per prompt, P prompt tokens, T response
+tokens, K experts chosen per token, S = P + T. A minibatch holds `b` prompts with `g` rows
+each: b = B / num_minibatches and g = G when `share_prompts` keeps groups whole, else
+b = B*G / num_minibatches single rows (g = 1) drawn from any group.
+
+The model is bound in here and nowhere else in the update path: `graphdef` (the model's
+structure) and `params` (an nnx.State of its nnx.Param variables) are merged inside the
+traced functions. `gspo_jax.programs` compiles these functions, each as one `jax.jit`
+with its shardings and donation.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from gspo_jax import losses, rng, sharding
+from gspo_jax.advantages import group_advantages
+from gspo_jax.config import OptimConfig, SFTConfig, TrainConfig
+from gspo_jax.sampling import Rollout
+from gspo_jax.teacher_forcing import response_logprobs
+
+Array = jax.Array
+
+
+@flax.struct.dataclass
+class TrainState:
+  params: Any                     # nnx.State of the policy's nnx.Param variables
+  opt_state: optax.OptState
+  step: Array                     # RL iterations completed (the loop keeps its own host copy)
+  key: Array                      # the run's key; every device stream derives from it (rng.py)
+
+
+@flax.struct.dataclass
+class Batch:
+  """One rollout batch, grouped (B, G, ...): what `prepare` returns and `update` consumes
+  with the rewards. Rewards are not in it: the host scores them while `prepare` runs."""
+  prompts_BxP: Array
+  prompt_lens_B: Array
+  tokens_BxGxT: Array
+  mask_BxGxT: Array
+  old_logp_BxGxT: Array
+  ref_logp_BxGxT: Array | None = None
+  # pi_old's expert choices per MoE layer, (B*G, S, K) int32 each (routing track / replay).
+  old_experts: tuple[Array, ...] | None = None
+
+
+@flax.struct.dataclass
+class Minibatch:
+  """`b` prompts with `g` responses each (see the module legend) and their advantages."""
+  rows: Batch                     # prompts_bxP, tokens_bxgxT, ...; old_experts (b*g, S, K)
+  adv_bxg: Array
+
+
+def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
+  lr: Any = cfg.learning_rate
+  if cfg.decay_steps:
+    lr = optax.warmup_cosine_decay_schedule(0.0, cfg.learning_rate, max(cfg.warmup_steps, 1),
+                                            cfg.decay_steps, cfg.learning_rate * 0.1)
+  elif cfg.warmup_steps:
+    lr = optax.linear_schedule(0.0, cfg.learning_rate, cfg.warmup_steps)
+  parts = [optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip else []
+  parts.append(optax.inject_hyperparams(optax.adamw)(learning_rate=lr, b1=cfg.b1, b2=cfg.b2,
+                                                     weight_decay=cfg.weight_decay))
+  return optax.chain(*parts)
+
+
+def current_lr(opt_state) -> Array:
+  """The injected learning rate (the schedule's state has the same name; take the array)."""
+  return optax.tree_utils.tree_get(opt_state, "learning_rate",
+                                   filtering=lambda _, value: isinstance(value, jax.Array))
+
+
+def sft_optimizer(cfg: SFTConfig) -> optax.GradientTransformation:
+  """The cold start's AdamW: linear warmup over the first tenth, then cosine decay."""
+  warmup = max(cfg.steps // 10, 1)
+  schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.learning_rate, warmup,
+                                                max(cfg.steps, warmup + 1))
+  return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.0))
+
+
+def sft_loss(params, graphdef, prompts_BxP, lens_B, tokens_BxT, mask_BxT):
+  """Negative mean log-likelihood of the demonstration tokens (+ EOS) given the prompt, by
+  the same teacher forcing as the RL update (temperature 1)."""
+  model = nnx.merge(graphdef, params)
+  logp_Bx1xT, _ = response_logprobs(model, prompts_BxP, lens_B, tokens_BxT[:, None])
+  return -jnp.sum(logp_Bx1xT[:, 0] * mask_BxT) / jnp.maximum(jnp.sum(mask_BxT), 1)
+
+
+def sft_step(params, opt_state, batch, *, graphdef, tx):
+  """One cold-start step on a (prompts_BxP, lens_B, tokens_BxT, mask_BxT) batch."""
+  loss, grads = jax.value_and_grad(sft_loss)(params, graphdef, *batch)
+  updates, opt_state = tx.update(grads, opt_state, params)
+  return optax.apply_updates(params, updates), opt_state, loss
+
+
+def policy_logprobs(params, graphdef, rows: Batch, cfg: TrainConfig, *, replay=None):
+  """Teacher-forced log-probs (b, g, T) of `rows` under `params`, and the RouterInfo."""
+  model = nnx.merge(graphdef, params)
+  return response_logprobs(model, rows.prompts_BxP, rows.prompt_lens_B, rows.tokens_BxGxT,
+                           temperature=cfg.rollout.temperature, replay=replay,
+                           share_prompts=cfg.share_prompts)
+
+
+def prepare(params, ref_params, rollout: Rollout, prompts_BxP, lens_B, *, graphdef,
+            cfg: TrainConfig) -> Batch:
+  """pi_old (recomputed, or the sampler's with `old_logp="sampler"`), pi_ref (when
+  ref_params is given) and, when `cfg.routing` is not "free", pi_old's expert choices
+  (from the teacher-forced pass: what the trainer's pi_old routes, also when its log-probs
+  are the sampler's)."""
+  rows = Batch(prompts_BxP, lens_B, rollout.tokens_BxGxT, rollout.mask_BxGxT, rollout.logp_BxGxT)
+  old, experts = rollout.logp_BxGxT, None
+  if cfg.old_logp == "recompute" or cfg.routing != "free":
+    recomputed, router = policy_logprobs(params, graphdef, rows, cfg)
+    old = recomputed if cfg.old_logp == "recompute" else old
+    experts = None if cfg.routing == "free" else router.indices
+  ref = None if ref_params is None else policy_logprobs(ref_params, graphdef, rows, cfg)[0]
+  return rows.replace(old_logp_BxGxT=old * rollout.mask_BxGxT, ref_logp_BxGxT=ref,
+                      old_experts=experts)
+
+
+def minibatch_loss(params, graphdef, mb: Minibatch, cfg: TrainConfig):
+  """The chosen loss (+ kl_coef * KL when a reference is given) on one minibatch."""
+  rows = mb.rows
+  replay = rows.old_experts if cfg.routing == "replay" else None
+  logp, router = policy_logprobs(params, graphdef, rows, cfg, replay=replay)
+  flat = lambda x: x.reshape(-1, x.shape[-1])
+  mask = flat(rows.mask_BxGxT)
+  loss, metrics = losses.LOSSES[cfg.loss](flat(logp), flat(rows.old_logp_BxGxT),
+                                          mb.adv_bxg.reshape(-1), mask, **cfg.loss_kwargs())
+  if rows.ref_logp_BxGxT is not None:
+    kl, kl_metrics = losses.kl_loss(flat(logp), flat(rows.ref_logp_BxGxT), mask,
+                                    estimator=cfg.kl_estimator, aggregation=cfg.kl_aggregation)
+    loss = loss + cfg.kl_coef * kl
+    metrics = {**metrics, **kl_metrics, "loss": jax.lax.stop_gradient(loss)}
+  if cfg.routing == "track":
+    metrics = {**metrics, "routing_changed": routing_changed(router.indices, rows.old_experts,
+                                                             mask)}
+  return loss, metrics
+
+
+def routing_changed(new_experts, old_experts, mask_RxT: Array) -> Array:
+  """Fraction of (response token, MoE layer) pairs whose top-k expert *set* differs between
+  two forwards of the same rows (paper section 5.3: ~10% per update at 48 layers).
+
+  new_experts, old_experts: per MoE layer (R, S, K) int expert indices; mask_RxT: which
+  response tokens count. Order within the top k does not matter (sets are compared)."""
+  T = mask_RxT.shape[1]
+  changed = [jnp.any(jnp.sort(n[:, -T:], -1) != jnp.sort(o[:, -T:], -1), -1)
+             for n, o in zip(new_experts, old_experts)]
+  per_layer = [jnp.sum(c * mask_RxT) / jnp.maximum(jnp.sum(mask_RxT), 1.0) for c in changed]
+  return jnp.mean(jnp.stack(per_layer))
+
+
+def apply_step(state_parts, mb: Minibatch, *, graphdef, tx, cfg: TrainConfig):
+  """One optax step on one minibatch; skipped (params and optimiser state unchanged) if the
+  loss or the gradient is not finite."""
+  params, opt_state = state_parts
+  (_, metrics), grads = jax.value_and_grad(minibatch_loss, has_aux=True)(params, graphdef, mb, cfg)
+  grad_norm = optax.tree.norm(grads)
+  finite = jnp.isfinite(grad_norm) & jnp.isfinite(metrics["loss"])
+  updates, new_opt = tx.update(grads, opt_state, params)
+  new_params = optax.apply_updates(params, updates)
+  keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+  metrics = {**metrics, "grad_norm": grad_norm, "skipped_updates": 1.0 - finite,
+             "learning_rate": current_lr(opt_state)}
+  return (keep(new_params, params), keep(new_opt, opt_state)), metrics
+
+
+def minibatch_order(key: Array, rows: int, group: int) -> Array:
+  """A random order of the rows that keeps each run of `group` consecutive rows together
+  (group = 1: any order), so equal slices of it hold whole groups."""
+  perm = jax.random.permutation(key, rows // group)
+  return (perm[:, None] * group + jnp.arange(group)[None, :]).reshape(rows)
+
+
+def split_minibatches(key: Array, batch: Batch, adv_BxG: Array, cfg: TrainConfig,
+                      mesh: Mesh | None = None) -> Minibatch:
+  """Shuffle and split into `num_minibatches` stacked minibatches (leading axis). With
+  `share_prompts` whole groups are shuffled (a group's prompt is then computed once);
+  otherwise single rows from any group, each with its own prompt."""
+  B, G, T = batch.tokens_BxGxT.shape
+  M = cfg.num_minibatches
+  if cfg.share_prompts:
+    order = minibatch_order(key, B * G, G).reshape(B, G)[:, 0] // G   # groups
+    take = lambda x_B: x_B[order]
+    experts = lambda e: e.reshape(B, G, *e.shape[1:])[order].reshape(M, -1, *e.shape[1:])
+  else:
+    order = minibatch_order(key, B * G, 1)                               # rows
+    take = lambda x_BxG: x_BxG.reshape(B * G, 1, *x_BxG.shape[2:])[order]
+    experts = lambda e: e[order].reshape(M, -1, *e.shape[1:])
+  prompt_of = order if cfg.share_prompts else order // G
+  stack = lambda x: constrain(x.reshape(M, -1, *x.shape[1:]), mesh)
+  rows = Batch(prompts_BxP=stack(batch.prompts_BxP[prompt_of]),
+               prompt_lens_B=stack(batch.prompt_lens_B[prompt_of]),
+               tokens_BxGxT=stack(take(batch.tokens_BxGxT)),
+               mask_BxGxT=stack(take(batch.mask_BxGxT)),
+               old_logp_BxGxT=stack(take(batch.old_logp_BxGxT)),
+               ref_logp_BxGxT=None if batch.ref_logp_BxGxT is None else
+               stack(take(batch.ref_logp_BxGxT)),
+               old_experts=None if batch.old_experts is None else
+               tuple(constrain(experts(e), mesh) for e in batch.old_experts))
+  adv = adv_BxG[order] if cfg.share_prompts else adv_BxG.reshape(B * G, 1)[order]
+  return Minibatch(rows, stack(adv))
+
+
+def constrain(x_MxN: Array, mesh: Mesh | None) -> Array:
+  """Each stacked minibatch's rows stay split over the batch mesh axes."""
+  if mesh is None:
+    return x_MxN
+  spec = P(None, sharding.ACTIVATION_RULES["batch"], *([None] * (x_MxN.ndim - 2)))
+  return jax.lax.with_sharding_constraint(x_MxN, NamedSharding(mesh, spec))
+
+
+def update(state: TrainState, batch: Batch, rewards_BxG: Array, *, graphdef, tx,
+           cfg: TrainConfig, mesh: Mesh | None = None):
+  """Group-normalised advantages from the rewards (paper Eq. 6), then `num_minibatches`
+  optax steps (a `lax.scan`), all but the first off-policy. Returns the new state and the
+  per-minibatch metrics averaged (skipped_updates summed, ratio_min/max over all)."""
+  adv_BxG = group_advantages(rewards_BxG)
+  key = rng.device_key(state.key, state.step, "minibatch")
+  minibatches = split_minibatches(key, batch, adv_BxG, cfg, mesh)
+  step = lambda parts, mb: apply_step(parts, mb, graphdef=graphdef, tx=tx, cfg=cfg)
+  (params, opt_state), metrics = jax.lax.scan(step, (state.params, state.opt_state), minibatches)
+  summary = {k: jnp.mean(v) for k, v in metrics.items()}
+  summary["skipped_updates"] = jnp.sum(metrics["skipped_updates"])
+  summary["ratio_max"] = jnp.max(metrics["ratio_max"])
+  summary["ratio_min"] = jnp.min(metrics["ratio_min"])
+  return state.replace(params=params, opt_state=opt_state, step=state.step + 1), summary

@@ -1,0 +1,106 @@
+"""Teacher forcing: log-probs of given responses under a policy, in one forward.
+
+Legend: B prompts, G responses per prompt, P prompt positions, T response positions,
+D hidden, S = P + T.
+
+The layout is the sampler's (`gspo_jax.sampling`): prompts right-padded to P with
+`prompt_lens_B` valid tokens; prompt token p at position p, response token t at position
+prompt_len + t. Response token t is predicted by the hidden state of the token before it
+(the last prompt token for t = 0), so these log-probs equal the sampler's own (tested).
+pi_theta in the update, pi_old and pi_ref in `prepare`, and the cold start's SFT loss all
+come from `response_logprobs`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from gspo_jax.logprobs import token_logprobs_from_hidden
+from gspo_jax.models.transformer import Transformer
+
+Array = jax.Array
+
+
+def prompt_forward(model: Transformer, prompts_BxP: Array, prompt_lens_B: Array, *,
+                   replay: tuple[Array, ...] | None = None):
+  """The forward over right-padded prompts that both the sampler's prefill and shared-prefix
+  teacher forcing start from: (ModelOutput, valid_BxP, hidden of each last prompt token
+  last_BxD)."""
+  B, P = prompts_BxP.shape
+  positions_BxP = jnp.broadcast_to(jnp.arange(P), (B, P))
+  valid_BxP = positions_BxP < prompt_lens_B[:, None]
+  out = model(prompts_BxP, positions_BxP, valid_BxP, replay=replay)
+  last_BxD = jnp.take_along_axis(out.hidden_BxSxD, (prompt_lens_B - 1)[:, None, None], 1)[:, 0]
+  return out, valid_BxP, last_BxD
+
+
+def response_logprobs(model: Transformer, prompts_BxP: Array, prompt_lens_B: Array,
+                      tokens_BxGxT: Array, *, temperature: float = 1.0,
+                      replay: tuple[Array, ...] | None = None, share_prompts: bool = True,
+                      chunk_size: int = 128):
+  """Teacher-forced log-probs of responses (what the trainer computes for pi_theta / pi_old).
+
+  Each of the B*G rows is [prompt (right-padded to P), response (T)] with prompt positions
+  0..P-1 (padding invalid) and response positions prompt_len + t; response token t is
+  predicted from the hidden state of the token before it (the last prompt token for t=0).
+  Uses the memory-lean `token_logprobs_from_hidden`.
+
+  With G > 1 and `share_prompts` each prompt is computed once and its keys are shared by
+  its G responses (`Transformer.extend`): P + G*T positions per prompt instead of
+  G*(P + T), the same function (tested to float rounding, gradients included). G = 1, or
+  `share_prompts=False`, runs the plain forward over the B*G concatenated rows.
+
+  replay: per MoE layer (B*G, P+T, K) expert indices (Routing Replay); with shared prompts
+  the prompt part is taken from each group's first row (a prompt routes the same in every
+  row).
+  Returns:
+    (logp_BxGxT float32, RouterInfo: expert indices per MoE layer (B*G, P+T, K); its aux_loss
+    counts each prompt once when G > 1).
+  """
+  B, P = prompts_BxP.shape
+  _, G, T = tokens_BxGxT.shape
+  if G > 1 and share_prompts:
+    return _shared_prefix_logprobs(model, prompts_BxP, prompt_lens_B, tokens_BxGxT,
+                                   temperature=temperature, replay=replay, chunk_size=chunk_size)
+  rows = lambda x: jnp.repeat(x, G, axis=0)
+  lens = rows(prompt_lens_B)
+  seq = jnp.concatenate([rows(prompts_BxP), tokens_BxGxT.reshape(B * G, T)], axis=1)
+  positions = jnp.concatenate([jnp.broadcast_to(jnp.arange(P), (B * G, P)),
+                               lens[:, None] + jnp.arange(T)[None, :]], axis=1)
+  valid = jnp.concatenate([jnp.arange(P)[None, :] < lens[:, None], jnp.ones((B * G, T), bool)], 1)
+  out = model(seq, positions, valid, replay=replay)
+  # Index of the hidden state that predicts response token t.
+  src = jnp.concatenate([lens[:, None] - 1, P + jnp.broadcast_to(jnp.arange(T - 1), (B * G, T - 1))],
+                        axis=1)
+  h = jnp.take_along_axis(out.hidden_BxSxD, src[..., None], axis=1)
+  logp = token_logprobs_from_hidden(h, model.unembed_DxV(), tokens_BxGxT.reshape(B * G, T),
+                                    temperature=temperature, chunk_size=chunk_size)
+  return logp.reshape(B, G, T), out.router
+
+
+def _shared_prefix_logprobs(model: Transformer, prompts_BxP, prompt_lens_B, tokens_BxGxT, *,
+                            temperature, replay, chunk_size):
+  """`response_logprobs` with each prompt computed once for its G responses."""
+  B, P = prompts_BxP.shape
+  _, G, T = tokens_BxGxT.shape
+  prompt_replay = cont_replay = None
+  if replay is not None:
+    prompt_replay = tuple(r.reshape(B, G, P + T, -1)[:, 0, :P] for r in replay)
+    cont_replay = tuple(r[:, P:] for r in replay)
+  prefix, valid_BxP, last_BxD = prompt_forward(model, prompts_BxP, prompt_lens_B,
+                                                replay=prompt_replay)
+  positions = prompt_lens_B[:, None, None] + jnp.arange(T)[None, None, :]
+  cont = model.extend(prefix, valid_BxP, tokens_BxGxT, jnp.broadcast_to(positions, (B, G, T)),
+                      replay=cont_replay)
+  # Response token 0 is predicted by the last prompt token, token t by response token t-1.
+  first = jnp.broadcast_to(last_BxD[:, None, None], (B, G, 1, last_BxD.shape[-1]))
+  h = jnp.concatenate([first.reshape(B * G, 1, -1), cont.hidden_BxSxD[:, :T - 1]], axis=1)
+  logp = token_logprobs_from_hidden(h, model.unembed_DxV(), tokens_BxGxT.reshape(B * G, T),
+                                    temperature=temperature, chunk_size=chunk_size)
+  # Expert choices in the layout of the unshared forward: (B*G, P+T, K) per MoE layer.
+  indices = tuple(jnp.concatenate([jnp.repeat(p, G, axis=0), c], axis=1)
+                  for p, c in zip(prefix.router.indices, cont.router.indices))
+  router = prefix.router.replace(indices=indices,
+                                 aux_loss=prefix.router.aux_loss + cont.router.aux_loss)
+  return logp.reshape(B, G, T), router
