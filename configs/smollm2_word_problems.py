@@ -8,7 +8,7 @@ template (ChatML) with a short system prompt, no cold start.
         --data data/word_problems/held_out.jsonl --k 8
 """
 
-from gspo_jax.data import DataConfig
+from gspo_jax.tasks import DataConfig
 from gspo_jax.train import OptimConfig, RolloutConfig, SFTConfig, TrainConfig
 
 REWARD = "experiments/word_problems/reward.py"
