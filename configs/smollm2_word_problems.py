@@ -9,7 +9,7 @@ template (ChatML) with a short system prompt, no cold start.
 """
 
 from gspo_jax.config import OptimConfig, RolloutConfig, SFTConfig, TrainConfig
-from gspo_jax.data import DataConfig
+from gspo_jax.tasks import DataConfig
 
 REWARD = "experiments/word_problems/reward.py"
 

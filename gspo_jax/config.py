@@ -16,7 +16,7 @@ import dataclasses
 from typing import Any
 
 from gspo_jax import _checks, losses, sharding
-from gspo_jax.data import DataConfig
+from gspo_jax.tasks.dataset import DataConfig
 from gspo_jax.models.config import ModelConfig, tiny
 
 OLD_LOGP_SOURCES = ("recompute", "sampler")

@@ -124,7 +124,7 @@ def run_evaluation(args) -> dict:
   run = load_run(run_dir, step=step)
   cfg = run.cfg if args.size is None else dataclasses.replace(run.cfg, eval_size=args.size)
   if args.data:
-    from gspo_jax.data import DatasetTask, examples_from_file
+    from gspo_jax.tasks import DatasetTask, examples_from_file
     if not isinstance(run.task, DatasetTask):
       raise SystemExit(f"--data needs a run of task='dataset'; {run_dir} trained {cfg.task!r}")
     examples = examples_from_file(run.task, args.data)[:args.size]  # all unless --size

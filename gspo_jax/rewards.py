@@ -1,4 +1,12 @@
-"""User reward functions, loaded by import path, called on whole batches, checked strictly.
+"""Reward functions and the one way they are called: loaded by import path, called on whole
+batches, checked strictly.
+
+Every task scores through `score_batch` here: a dataset task with the user's functions, a
+built-in task with its per-example `reward` method wrapped by `per_example`. So the values
+are checked the same way for both, and any failure is the same RewardError naming the
+function and the row. The protocol lives in this module, not in `gspo_jax.tasks`, because
+it is about functions on text, not about where prompts come from; tasks import it, and it
+imports nothing from them.
 
 A reward is a plain Python function on decoded text:
 
@@ -9,7 +17,8 @@ decoded response (cut at EOS), and each extra dataset field (e.g. `answer`) arri
 list aligned with them: the G responses to one prompt repeat that prompt's fields (None
 where a record lacks a field others have). A function may name the fields it needs
 (`answer`) and/or take `**fields`; it is given only what it asks for, and a field it names
-without a default must be in every record (checked when the data is loaded).
+without a default must be in every record (checked when the data is loaded). Each value
+must be a finite real number (bool counts as 0 / 1).
 
 A spec string names one: "module:function", "path/to/file.py:function", or a built-in
 below by its bare name ("exact_match"); a "*weight" suffix scales it ("format_reward*0.2").
@@ -33,6 +42,7 @@ import importlib
 import importlib.util
 import inspect
 import math
+import numbers
 import os
 import re
 import sys
@@ -42,12 +52,69 @@ from typing import Any
 
 import numpy as np
 
-from gspo_jax.tasks.base import RewardError, _as_reward, _BadReturn, _show
-
-BatchRewardFn = Callable[..., Sequence[float]]
+BatchRewardFn = Callable[..., Sequence[float]]  # fn(prompts, completions, **fields) -> values
+ExampleRewardFn = Callable[[Any, str], float]   # fn(example, completion) -> value
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _NUMBER = re.compile(r"[-+]?(?:\d+(?:,\d{3})*(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
+_SHOW = 200  # characters of a prompt / completion quoted in an error message
+
+
+# ------------------------------------------------------------------------------ errors
+
+
+class RewardError(ValueError):
+  """A reward function raised, or returned something that is not one finite number per
+  completion.
+
+  Attributes `fn_name` and `index` locate the failure (index -1: the whole batch, e.g. a
+  batch function that raised or returned the wrong number of values); the message also
+  quotes the prompt and the completion. The original exception, if any, is `__cause__`.
+  Never swallowed: a silently zeroed reward would still train the policy, towards the
+  wrong thing.
+  """
+
+  def __init__(self, message: str, *, fn_name: str, index: int):
+    super().__init__(message)
+    self.fn_name = fn_name
+    self.index = index
+
+
+class _BadReturn(ValueError):
+  """A reward function returned a value `_as_reward` cannot use."""
+
+
+class _RowFailed(Exception):
+  """Raised by a `per_example` wrapper when the function fails on row `index` (the
+  function's exception is `__cause__`), so that the RewardError can name the row."""
+
+  def __init__(self, index: int):
+    super().__init__(index)
+    self.index = index
+
+
+def _show(text: Any) -> str:
+  shown = repr(text)
+  return shown if len(shown) <= _SHOW else shown[:_SHOW] + f"... ({len(shown)} chars)"
+
+
+def _as_reward(value: Any) -> float:
+  """`value` as a finite float (bool counts as 0 / 1); raises _BadReturn otherwise."""
+  if isinstance(value, numbers.Real):
+    out = float(value)
+  elif isinstance(value, np.ndarray) and value.ndim == 0 and np.issubdtype(value.dtype, np.number) \
+      and not np.issubdtype(value.dtype, np.complexfloating):
+    out = float(value)
+  else:
+    raise _BadReturn(f"returned {type(value).__name__} {_show(value)}, not a real number")
+  if not math.isfinite(out):
+    raise _BadReturn(f"returned the non-finite value {out}")
+  return out
+
+
+def _fn_name(fn: Callable) -> str:
+  # __qualname__ tells bound methods apart ("Addition.reward"); partials have neither name.
+  return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
 
 
 # ------------------------------------------------------------------------------ built-ins
@@ -206,6 +273,38 @@ def load_rewards(specs: Sequence[str]) -> list[Reward]:
   return out
 
 
+# ------------------------------------------------------------------------------ per example
+
+
+def per_example(fn: ExampleRewardFn, *, name: str | None = None, weight: float = 1.0) -> Reward:
+  """A per-example function `fn(example, completion) -> float` (a task's `reward` method)
+  as a Reward of the batch protocol.
+
+  The Reward takes the field "example" (one object per completion, e.g. a task's Example)
+  and calls `fn` row by row, so that an exception names its row like a bad value does.
+  Its name defaults to fn's qualified name, its spec is "module:qualname" (where the code
+  is)."""
+  if not callable(fn):
+    raise ValueError(f"per_example: fn must be callable; got {type(fn).__name__}")
+  w = float(weight)
+  if not math.isfinite(w):
+    raise ValueError(f"per_example: weight must be finite; got {weight!r}")
+
+  def rows(prompts, completions, example):
+    values = []
+    for i, (e, c) in enumerate(zip(example, completions)):
+      try:
+        values.append(fn(e, c))
+      except Exception as err:  # noqa: BLE001 -- becomes a RewardError in call_reward
+        raise _RowFailed(i) from err
+    return values
+
+  qualname = _fn_name(fn)
+  return Reward(spec=f"{getattr(fn, '__module__', None) or '?'}:{qualname}",
+                name=name or qualname, weight=w, fn=rows, needs=("example",),
+                takes=("example",), takes_all=False)
+
+
 # ------------------------------------------------------------------------------ calling
 
 
@@ -223,7 +322,7 @@ def _check_values(r: Reward, values: Any, prompts, completions) -> np.ndarray:
   out = np.empty(n, np.float64)
   for i, v in enumerate(values):
     try:
-      out[i] = _as_reward(v)  # the per-example scorer's check: a finite real, bool as 0/1
+      out[i] = _as_reward(v)
     except _BadReturn as e:
       raise RewardError(f"reward {r.name} ({r.spec}) {e} at index {i}; {where(i)}",
                         fn_name=r.name, index=i) from None
@@ -233,8 +332,8 @@ def _check_values(r: Reward, values: Any, prompts, completions) -> np.ndarray:
 def call_reward(r: Reward, prompts: Sequence[str], completions: Sequence[str],
                 fields: Mapping[str, list]) -> np.ndarray:
   """r.fn(prompts, completions, **the fields it takes), checked: float64 (n,) of finite
-  values. An exception inside the function becomes a RewardError (chained) quoting the
-  first sample of the batch."""
+  values. An exception inside the function becomes a RewardError (chained) quoting its row
+  for a `per_example` reward, else the first sample of the batch."""
   kwargs = fields if r.takes_all else {k: fields[k] for k in r.takes if k in fields}
   missing = [k for k in r.needs if k not in kwargs]
   if missing:
@@ -242,6 +341,11 @@ def call_reward(r: Reward, prompts: Sequence[str], completions: Sequence[str],
                       f"record has (fields: {sorted(fields)})", fn_name=r.name, index=-1)
   try:
     values = r.fn(list(prompts), list(completions), **kwargs)
+  except _RowFailed as e:
+    i, cause = e.index, e.__cause__
+    raise RewardError(f"reward {r.name} ({r.spec}) raised {type(cause).__name__}: {cause} at "
+                      f"index {i}; prompt {_show(prompts[i])}, completion "
+                      f"{_show(completions[i])}", fn_name=r.name, index=i) from cause
   except Exception as e:  # noqa: BLE001 -- re-raised with context, never swallowed
     raise RewardError(f"reward {r.name} ({r.spec}) raised {type(e).__name__}: {e} on a batch "
                       f"of {len(completions)}; first: prompt {_show(prompts[0])}, completion "
@@ -249,13 +353,36 @@ def call_reward(r: Reward, prompts: Sequence[str], completions: Sequence[str],
   return _check_values(r, values, prompts, completions)
 
 
+def _check_batch(rewards: Sequence[Reward], prompts, completions, fields) -> None:
+  if not rewards:
+    raise ValueError("score_batch: rewards is empty; pass at least one Reward")
+  n = len(completions)
+  lengths = {"prompts": len(prompts), **{f"field {k!r}": len(v) for k, v in fields.items()}}
+  wrong = {k: m for k, m in lengths.items() if m != n}
+  if wrong:
+    raise ValueError(f"score_batch: prompts and every field need one entry per completion "
+                     f"({n}); got {wrong}")
+
+
 def score_batch(rewards: Sequence[Reward], prompts: Sequence[str], completions: Sequence[str],
                 fields: Mapping[str, list], *, slow_s: float = 0.0,
                 log: Callable[[str], None] = print) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-  """Weighted sum of the rewards and each unweighted component.
+  """Weighted sum of the rewards and each unweighted component: the one place reward
+  functions are called (see the module docstring).
 
-  Returns (total_R float32, {name: values_R float64}). A call longer than `slow_s` seconds
-  (0 = never) is reported through `log` with the first sample of the batch."""
+  Args:
+    rewards: loaded (`load_rewards`) or wrapped (`per_example`) reward functions.
+    prompts, completions: one entry per row R (a group repeats its prompt G times).
+    fields: extra per-row inputs by name, each a list of R values.
+    slow_s: a call longer than this many seconds (0 = never) is reported through `log`
+      with the first sample of the batch.
+  Returns:
+    (total_R float32, {name: values_R float64}).
+  Raises:
+    ValueError: no rewards, or prompts / fields not aligned with completions.
+    RewardError: a function raised, or returned something other than R finite numbers.
+  """
+  _check_batch(rewards, prompts, completions, fields)
   total = np.zeros(len(completions), np.float64)
   parts = {}
   for r in rewards:

@@ -50,7 +50,7 @@ def _layout(params, tx, mesh, cfg: TrainConfig) -> Layout:
 def make_task(cfg: TrainConfig):
   """The built-in task `cfg.task`, or for task="dataset" the JSONL prompts and rewards."""
   if cfg.task == "dataset":
-    from gspo_jax.data import DatasetTask
+    from gspo_jax.tasks import DatasetTask
     return DatasetTask(cfg.data, cfg.reward)
   from gspo_jax.tasks import make_task as builtin
   return builtin(cfg.task, digits=cfg.task_digits)
@@ -60,7 +60,7 @@ def with_chat_template(task, tok, cfg: TrainConfig):
   """A dataset task's prompts rendered with a pretrained tokenizer's own chat template
   (unless data.chat_template is off or the tokenizer has none); other tasks unchanged."""
   from gspo_jax import chat
-  from gspo_jax.data import DatasetTask
+  from gspo_jax.tasks import DatasetTask
   if not (isinstance(task, DatasetTask) and cfg.pretrained and cfg.data.chat_template):
     return task
   render = chat.tokenizer_renderer(tok, system_prompt=cfg.data.system_prompt)

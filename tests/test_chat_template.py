@@ -7,8 +7,8 @@ import jinja2
 import pytest
 
 from gspo_jax import chat
-from gspo_jax import data as D
 from gspo_jax import train as T
+from gspo_jax.tasks import DataConfig, DatasetTask, Example
 
 # SmolLM2-135M-Instruct's template (tokenizer_config.json), ChatML with a default system turn.
 SMOLLM2 = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
@@ -48,7 +48,7 @@ def test_bos_is_not_doubled():
   render = chat.tokenizer_renderer(tok)
   text = render("hi")
   assert text == "[user] hi\n[assistant] "  # the template's BOS text is taken out again
-  ids, lens = T.encode_prompts(tok, [D.Example(prompt=text, answer="")], 32)
+  ids, lens = T.encode_prompts(tok, [Example(prompt=text, answer="")], 32)
   assert list(ids[0, :lens[0]]).count(tok.bos_id) == 1 and ids[0, 0] == tok.bos_id
 
 
@@ -62,11 +62,11 @@ def test_templates_are_sandboxed_and_may_raise():
 def test_applied_only_to_pretrained_dataset_prompts(tmp_path):
   path = tmp_path / "d.jsonl"
   path.write_text(json.dumps({"prompt": "2+3?", "answer": "5"}) + "\n")
-  task = D.DatasetTask(D.DataConfig(train_file=str(path)), ["exact_match"])
+  task = DatasetTask(DataConfig(train_file=str(path)), ["exact_match"])
   tok = FakeTok()
   base = dict(task="dataset", reward=("exact_match",), pretrained="some/dir")
-  on = T.TrainConfig(data=D.DataConfig(train_file=str(path)), **base)
-  off = T.TrainConfig(data=D.DataConfig(train_file=str(path), chat_template=False), **base)
+  on = T.TrainConfig(data=DataConfig(train_file=str(path)), **base)
+  off = T.TrainConfig(data=DataConfig(train_file=str(path), chat_template=False), **base)
   shown = T.with_chat_template(task, tok, on).train_batch(0, 0, 1)[0]
   assert shown.prompt == "[user] 2+3?\n[assistant] " and shown.meta["prompt"] == "2+3?"
   assert T.with_chat_template(task, tok, off).train_batch(0, 0, 1)[0].prompt == "2+3?"

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from gspo_jax import configlib, sharding
-from gspo_jax import data as D
+from gspo_jax.tasks import dataset as D
 from gspo_jax import evaluate
 from gspo_jax import train as T
 from gspo_jax.models.config import tiny

@@ -1,7 +1,9 @@
-"""User reward functions: loading by path or module, weighted sums with hand-computed
-values, and the errors for every way a reward can go wrong."""
+"""Reward functions: loading by path or module, per-example functions (a task's `reward`),
+weighted sums with hand-computed values, and the errors for every way a reward can go
+wrong."""
 
 import importlib.util
+import math
 import sys
 import textwrap
 
@@ -9,7 +11,7 @@ import numpy as np
 import pytest
 
 from gspo_jax import rewards as R
-from gspo_jax.tasks import RewardError
+from gspo_jax.rewards import RewardError
 
 MODULE = textwrap.dedent("""
     import math
@@ -123,6 +125,84 @@ def test_slow_reward_is_reported_with_the_sample(module_file):
   R.score_batch([R.load_reward(f"{module_file}:length")], PROMPTS, DONE, FIELDS, slow_s=1e-9,
                 log=lines.append)
   assert len(lines) == 1 and "slow reward: length" in lines[0] and "'1+1='" in lines[0]
+
+
+# ------------------------------------------------------------------------------ per example
+
+
+def _length(example, completion):
+  return float(len(completion))
+
+
+def _answered(example, completion):
+  return completion.strip() == example  # a bool counts as 0 / 1
+
+
+def _by_row(fns, completions, examples, prompts=None):
+  return R.score_batch(fns, prompts or [f"q{i}" for i in range(len(completions))], completions,
+                       {"example": examples})
+
+
+def test_per_example_weighted_sum():
+  rs = [R.per_example(_answered, weight=2.0), R.per_example(_length, weight=0.5)]
+  total, parts = _by_row(rs, ["3", "12"], ["3", "10"])
+  # answered: 1, 0 (x2); length: 1, 2 (x0.5) -> 2.5, 1.0
+  assert total.dtype == np.float32 and total.shape == (2,)
+  np.testing.assert_array_equal(total, [2.5, 1.0])
+  np.testing.assert_array_equal(parts["_answered"], [1, 0])
+  assert rs[0].name == "_answered" and rs[0].spec.endswith(":_answered")
+  # numpy scalars are numbers; an empty batch scores to an empty array.
+  total, _ = _by_row([R.per_example(lambda e, c: np.float32(0.25))], ["a"], [None])
+  np.testing.assert_array_equal(total, [0.25])
+  assert _by_row([R.per_example(_length)], [], [])[0].shape == (0,)
+
+
+def _picky(example, completion):
+  if completion == "boom":
+    raise KeyError("no such key")
+  return 1.0
+
+
+def test_per_example_raising_function_names_the_row():
+  with pytest.raises(RewardError) as info:
+    _by_row([R.per_example(_length), R.per_example(_picky, name="picky")], ["3", "boom"],
+            ["a", "b"], prompts=["1+2=", "37+85="])
+  err, msg = info.value, str(info.value)
+  assert (err.fn_name, err.index) == ("picky", 1) and isinstance(err.__cause__, KeyError)
+  assert "reward picky (" in msg and "raised KeyError: 'no such key' at index 1" in msg
+  assert "'37+85='" in msg and "'boom'" in msg
+
+
+def test_per_example_error_truncates_long_completions():
+  with pytest.raises(RewardError) as info:
+    _by_row([R.per_example(lambda e, c: 1 / 0)], ["x" * 5000], [None])
+  assert "<lambda>" in str(info.value) and "ZeroDivisionError" in str(info.value)
+  assert len(str(info.value)) < 800
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf, None, "1.0", [1.0], 1 + 2j])
+def test_per_example_rejects_bad_return_values(bad):
+  def returns_bad(example, completion):
+    return bad
+  with pytest.raises(RewardError, match=r"returns_bad .*returned .* at index 0; prompt '1\+2='"):
+    _by_row([R.per_example(returns_bad)], ["3"], [None], prompts=["1+2="])
+
+
+def test_score_batch_argument_errors():
+  r = R.per_example(_length)
+  with pytest.raises(ValueError, match="one entry per completion"):
+    R.score_batch([r], ["q"], ["3", "4"], {"example": [None, None]})
+  with pytest.raises(ValueError, match=r"one entry per completion .*field 'example'"):
+    R.score_batch([r], ["q", "q"], ["3", "4"], {"example": [None]})
+  with pytest.raises(ValueError, match="rewards is empty"):
+    R.score_batch([], ["q"], ["3"], {})
+  with pytest.raises(ValueError, match="fn must be callable"):
+    R.per_example(1.0)
+  with pytest.raises(ValueError, match="weight must be finite"):
+    R.per_example(_length, weight=math.nan)
+
+
+# ------------------------------------------------------------------------------ built-ins
 
 
 def test_builtins_by_hand():

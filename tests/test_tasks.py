@@ -1,4 +1,4 @@
-"""gspo_jax.tasks: splits, answers, rewards, and score() with failing reward functions."""
+"""gspo_jax.tasks: splits, answers, rewards, and Task.score_batch with a failing reward."""
 
 import math
 import operator
@@ -7,8 +7,8 @@ import re
 import numpy as np
 import pytest
 
-from gspo_jax.tasks import (TASKS, Addition, Example, Multiplication, RewardError, make_task,
-                            score)
+from gspo_jax.rewards import RewardError
+from gspo_jax.tasks import TASKS, Addition, Example, Multiplication, make_task
 
 OPS = {"+": operator.add, "*": operator.mul}
 ALL = [Addition(), Multiplication(), Addition(digits=3), Multiplication(digits=1)]
@@ -86,7 +86,9 @@ def test_demonstration_earns_full_reward(task):
   demos = [task.demonstration(ex) for ex in examples]
   assert demos == [ex.answer for ex in examples]  # no EOS, no prompt echo
   assert all(task.is_correct(ex, d) for ex, d in zip(examples, demos))
-  np.testing.assert_array_equal(score([task.reward], examples, demos), np.ones(50, np.float32))
+  rewards, correct, parts = task.score_batch(examples, demos)
+  np.testing.assert_array_equal(rewards, np.ones(50, np.float32))
+  assert rewards.dtype == np.float32 and correct.dtype == bool and correct.all() and parts == {}
 
 
 @pytest.mark.parametrize("completion", [
@@ -152,76 +154,46 @@ def test_bad_arguments():
     task.is_correct(task.example(1, 2), 3)
 
 
-# --- score -------------------------------------------------------------------------------
+# --- score_batch ---------------------------------------------------------------------------
 
 
-def _length(example, completion):
-  return float(len(completion))
+def test_score_batch_is_reward_and_is_correct_per_row():
+  task = Addition(format_reward=0.1)
+  examples = [task.example(1, 2)] * 3 + [task.example(37, 85)]
+  rewards, correct, parts = task.score_batch(examples, ["3", " 4 ", "x", "122"])
+  np.testing.assert_array_equal(rewards, np.float32([1.0, 0.1, 0.0, 1.0]))
+  np.testing.assert_array_equal(correct, [True, False, False, True])
+  assert parts == {}  # one reward function: no components to log
 
 
-def test_score_weighted_sum():
-  task = Addition()
-  examples = [task.example(1, 2), task.example(5, 5)]
-  completions = ["3", "12"]
-  out = score([task.reward, _length], examples, completions, weights=[2.0, 0.5])
-  assert out.dtype == np.float32 and out.shape == (2,)
-  np.testing.assert_array_equal(out, [2 * 1 + 0.5 * 1, 2 * 0 + 0.5 * 2])
-  np.testing.assert_array_equal(score([task.reward, _length], examples, completions), [2.0, 2.0])
-  # bool and numpy scalars are numbers.
-  out = score([lambda e, c: c == "3", lambda e, c: np.float32(0.25)], examples, completions)
-  np.testing.assert_array_equal(out, [1.25, 0.25])
-  assert score([_length], [], []).shape == (0,)
+class Picky(Addition):
+  def reward(self, example, completion):
+    if completion == "boom":
+      raise KeyError("no such key")
+    return math.nan if completion == "nan" else super().reward(example, completion)
 
 
-def _picky(example, completion):
-  if completion == "boom":
-    raise KeyError("no such key")
-  return 1.0
-
-
-def test_score_raising_function_is_reported():
-  task = Addition()
+def test_a_raising_reward_names_the_task_and_the_row():
+  task = Picky()
   examples = [task.example(1, 2), task.example(37, 85)]
   with pytest.raises(RewardError) as info:
-    score([task.reward, _picky], examples, ["3", "boom"])
-  err = info.value
-  msg = str(err)
-  assert isinstance(err, ValueError)
-  assert "_picky" in msg and "reward_fns[1]" in msg and "index 1" in msg
-  assert "'37+85='" in msg and "'boom'" in msg and "KeyError" in msg
+    task.score_batch(examples, ["3", "boom"])
+  err, msg = info.value, str(info.value)
+  assert isinstance(err, ValueError) and (err.fn_name, err.index) == ("Picky.reward", 1)
+  assert "reward Picky.reward (" in msg and ":Picky.reward) raised KeyError" in msg
+  assert "index 1" in msg and "'37+85='" in msg and "'boom'" in msg
   assert isinstance(err.__cause__, KeyError)
-  assert (err.fn_name, err.index) == ("_picky", 1)
 
 
-def test_score_truncates_long_completions():
-  long = "x" * 5000
-  with pytest.raises(RewardError) as info:
-    score([lambda e, c: 1 / 0], [Addition().example(1, 2)], [long])
-  assert "<lambda>" in str(info.value) and "ZeroDivisionError" in str(info.value)
-  assert len(str(info.value)) < 800
+def test_a_non_finite_reward_names_the_row():
+  task = Picky()
+  with pytest.raises(RewardError, match=r"Picky.reward .* non-finite value nan at index 0; "
+                                        r"prompt '1\+2=', completion 'nan'") as info:
+    task.score_batch([task.example(1, 2)], ["nan"])
+  assert info.value.index == 0
 
 
-@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf, None, "1.0", [1.0], 1 + 2j])
-def test_score_rejects_bad_return_values(bad):
-  def returns_bad(example, completion):
-    return bad
-  expected = r"returns_bad .*returned .* at index 0; prompt '1\+2='"
-  with pytest.raises(RewardError, match=expected) as info:
-    score([returns_bad], [Addition().example(1, 2)], ["3"])
-  assert info.value.__cause__ is not None
-
-
-def test_score_argument_errors():
-  ex = [Addition().example(1, 2)]
-  with pytest.raises(ValueError, match="same length"):
-    score([_length], ex, ["3", "4"])
-  with pytest.raises(ValueError, match="reward_fns is empty"):
-    score([], ex, ["3"])
-  with pytest.raises(ValueError, match=r"wrap a single one as \[fn\]"):
-    score(_length, ex, ["3"])
-  with pytest.raises(ValueError, match=r"reward_fns\[0\] is not callable"):
-    score([1.0], ex, ["3"])
-  with pytest.raises(ValueError, match="one number per reward function"):
-    score([_length], ex, ["3"], weights=[1.0, 2.0])
-  with pytest.raises(ValueError, match="weights must be finite"):
-    score([_length], ex, ["3"], weights=[math.nan])
+def test_score_batch_needs_one_example_per_completion():
+  task = Addition()
+  with pytest.raises(ValueError, match="one entry per completion"):
+    task.score_batch([task.example(1, 2)], ["3", "4"])

@@ -1,16 +1,18 @@
-"""Verifiable tasks: the `Example` record, the `Task` interface and reward scoring.
+"""Verifiable tasks: the `Example` record and the `Task` interface.
 
 A task produces prompts with a known answer, so a completion (decoded text, cut at EOS by
-the caller) can be scored without a learned reward model. Rewards are plain Python
-functions `fn(example, completion) -> float`; `score` combines several of them and refuses
-to hide a failing one.
+the caller) can be scored without a learned reward model. A built-in task's reward is its
+per-example `reward(example, completion)` method; `Task.score_batch`, what the trainer
+calls, hands it to `gspo_jax.rewards.score_batch`, the same scoring path a dataset task's
+user functions take, so both are checked alike and fail with the same RewardError. This
+module says what a task provides; how reward functions are called and checked lives in
+`gspo_jax.rewards`.
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
-import math
 import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -18,12 +20,9 @@ from typing import Any
 import numpy as np
 
 from gspo_jax import _checks
+from gspo_jax import rewards as R
 
 SPLITS = ("train", "heldout")
-
-RewardFn = Callable[["Example", str], float]
-
-_SHOW = 200  # characters of a prompt / completion quoted in an error message
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,13 +83,19 @@ class Task(abc.ABC):
     return self.sample(np.random.default_rng([seed, 7_777_777]), n, "heldout")
 
   def score_batch(self, examples: Sequence[Example], completions: Sequence[str], *,
-                  log: Callable[[str], None] = print):
+                  log: Callable[[str], None] = print
+                  ) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
     """(rewards_R float32, correct_R bool, reward components {"reward/<name>": values_R})
-    of decoded completions, one Example per completion. Tasks with several reward
-    functions report each component; here there is one, `reward`."""
-    rewards = score([self.reward], examples, completions)
+    of decoded completions, one Example per completion (R rows).
+
+    Scored by `rewards.score_batch` with `reward` wrapped as a per-example function (a
+    failing call is a RewardError naming "<Task>.reward" and the row). Tasks with several
+    reward functions report each component; a built-in task has one and reports none."""
+    reward = R.per_example(self.reward, name=f"{type(self).__name__}.reward")
+    total, _ = R.score_batch([reward], [e.prompt for e in examples], completions,
+                             {"example": list(examples)}, log=log)
     correct = np.array([self.is_correct(e, c) for e, c in zip(examples, completions)], bool)
-    return rewards, correct, {}
+    return total, correct, {}
 
   def corpus(self, rng: np.random.Generator, n: int) -> list[str]:
     """`n` texts prompt + demonstration, to train a tokenizer on.
@@ -109,106 +114,3 @@ def check_sample_args(fn: str, rng: Any, n: Any, split: Any) -> None:
   if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
     raise ValueError(f"{fn}: n must be an int >= 0; got {n!r}")
   _checks.check_choice(fn, "split", split, SPLITS)
-
-
-class RewardError(ValueError):
-  """A reward function raised, or returned something that is not a finite number.
-
-  Attributes `fn_name` and `index` locate the failure; the message also quotes the
-  prompt and the completion. The original exception, if any, is `__cause__`.
-  """
-
-  def __init__(self, message: str, *, fn_name: str, index: int):
-    super().__init__(message)
-    self.fn_name = fn_name
-    self.index = index
-
-
-def _fn_name(fn: Callable) -> str:
-  # __qualname__ tells bound methods apart ("Addition.reward"); partials have neither name.
-  return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
-
-
-def _show(text: Any) -> str:
-  shown = repr(text)
-  return shown if len(shown) <= _SHOW else shown[:_SHOW] + f"... ({len(shown)} chars)"
-
-
-class _BadReturn(ValueError):
-  """A reward function returned a value `score` cannot use."""
-
-
-def _as_reward(value: Any) -> float:
-  """`value` as a finite float (bool counts as 0 / 1); raises _BadReturn otherwise."""
-  if isinstance(value, numbers.Real):
-    out = float(value)
-  elif isinstance(value, np.ndarray) and value.ndim == 0 and np.issubdtype(value.dtype, np.number) \
-      and not np.issubdtype(value.dtype, np.complexfloating):
-    out = float(value)
-  else:
-    raise _BadReturn(f"returned {type(value).__name__} {_show(value)}, not a real number")
-  if not math.isfinite(out):
-    raise _BadReturn(f"returned the non-finite value {out}")
-  return out
-
-
-def score(reward_fns: Sequence[RewardFn], examples: Sequence[Example], completions: Sequence[str],
-          weights: Sequence[float] | None = None) -> np.ndarray:
-  """r_i = sum_k weights[k] * reward_fns[k](examples[i], completions[i]).
-
-  Args:
-    reward_fns: plain Python functions `fn(example, completion) -> float` on decoded text
-      (a task's bound `reward` method qualifies). Each must return a finite real number.
-    examples: one Example per completion (repeat an example G times for a group).
-    completions: decoded completions, same length as `examples`.
-    weights: one finite float per function; default 1.0 each.
-  Returns:
-    float32 array of shape (len(completions),).
-  Raises:
-    ValueError: on mismatched lengths, no functions, or non-finite weights.
-    RewardError: when a function raises (chained with `from`) or returns NaN, inf or a
-      non-number. Never swallowed: a silently zeroed reward would still train the policy,
-      towards the wrong thing.
-  """
-  fn = "score"
-  if callable(reward_fns) or isinstance(reward_fns, (str, bytes)):
-    raise ValueError(f"{fn}: reward_fns must be a sequence of functions; wrap a single one as [fn]")
-  reward_fns = list(reward_fns)
-  if not reward_fns:
-    raise ValueError(f"{fn}: reward_fns is empty; pass at least one reward function")
-  for k, f in enumerate(reward_fns):
-    if not callable(f):
-      raise ValueError(f"{fn}: reward_fns[{k}] is not callable; got {type(f).__name__}")
-  if len(examples) != len(completions):
-    raise ValueError(f"{fn}: examples and completions must have the same length; "
-                     f"got {len(examples)} and {len(completions)}")
-  if weights is None:
-    w = np.ones(len(reward_fns))
-  else:
-    w = np.asarray(weights, dtype=np.float64)
-    if w.shape != (len(reward_fns),):
-      raise ValueError(f"{fn}: weights must hold one number per reward function "
-                       f"({len(reward_fns)}); got shape {w.shape}")
-    if not np.all(np.isfinite(w)):
-      raise ValueError(f"{fn}: weights must be finite; got {w.tolist()}")
-
-  total = np.zeros(len(completions), np.float64)
-  for i, (example, completion) in enumerate(zip(examples, completions)):
-    for k, f in enumerate(reward_fns):
-      try:
-        value = _as_reward(f(example, completion))
-      except Exception as e:  # noqa: BLE001 -- re-raised with context, never swallowed
-        raise _reward_error(fn, f, k, i, example, completion, e) from e
-      total[i] += w[k] * value
-  return total.astype(np.float32)
-
-
-def _reward_error(fn: str, f: Callable, k: int, i: int, example: Any, completion: Any,
-                  e: Exception) -> RewardError:
-  name = _fn_name(f)
-  # _as_reward's own errors say "returned ..."; anything else was raised by the function.
-  what = str(e) if isinstance(e, _BadReturn) else f"raised {type(e).__name__}: {e}"
-  prompt = getattr(example, "prompt", example)
-  return RewardError(
-      f"{fn}: reward function {name} (reward_fns[{k}]) {what} at index {i}; "
-      f"prompt {_show(prompt)}, completion {_show(completion)}", fn_name=name, index=i)

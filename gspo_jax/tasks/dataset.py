@@ -1,5 +1,9 @@
 """Your own task: prompts from a JSONL file, rewards from your own Python functions.
 
+A dataset is one more Task, so it lives beside the built-in ones and scores like them:
+`DatasetTask.score_batch` calls `gspo_jax.rewards.score_batch`, with the functions named
+by `reward` specs (loaded by `gspo_jax.rewards.load_rewards`) instead of a `reward` method.
+
 One JSON object per line; blank lines are skipped. The prompt field (default "prompt") is
 required; every other field (e.g. "answer") is passed through to the reward functions:
 
@@ -25,6 +29,7 @@ import hashlib
 import json
 import os
 from collections.abc import Callable, Sequence
+
 import numpy as np
 
 from gspo_jax import rewards as R
@@ -148,8 +153,8 @@ class DatasetTask(Task):
     self.train_records, self.heldout_records = split_records(cfg)
     check_fields(self.rewards, self.train_records + self.heldout_records)
     self.render = render
-    self._train = [self._example(r) for r in self.train_records]
-    self._heldout = [self._example(r) for r in self.heldout_records]
+    self._train = [self.example(r) for r in self.train_records]
+    self._heldout = [self.example(r) for r in self.heldout_records]
     # Fields the rewards may be given: the union over records (absent ones are None).
     self.fields = sorted({k for r in self.train_records + self.heldout_records for k in r}
                          - {SOURCE, cfg.prompt_field})
@@ -158,11 +163,13 @@ class DatasetTask(Task):
     """The same task with prompts shown to the model through `render` (a chat template)."""
     new = copy.copy(self)
     new.render = render
-    new._train = [new._example(r) for r in self.train_records]
-    new._heldout = [new._example(r) for r in self.heldout_records]
+    new._train = [new.example(r) for r in self.train_records]
+    new._heldout = [new.example(r) for r in self.heldout_records]
     return new
 
-  def _example(self, record: dict) -> Example:
+  def example(self, record: dict) -> Example:
+    """The Example for `record` (a dict from `read_jsonl`), rendered by this task's
+    chat template when one is set."""
     text = record[self.cfg.prompt_field]
     shown = text if self.render is None else self.render(text)
     answer = record.get(self.cfg.answer_field)
@@ -212,8 +219,11 @@ class DatasetTask(Task):
     return example.answer
 
   def score_batch(self, examples: Sequence[Example], completions: Sequence[str], *,
-                  log: Callable[[str], None] = print):
-    """(rewards_R float32, correct_R bool, {"reward/<name>": values_R}) for the rows."""
+                  log: Callable[[str], None] = print
+                  ) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+    """(rewards_R float32, correct_R bool, {"reward/<name>": values_R float64}) for the
+    rows: the weighted sum of the rewards, the first one >= data.correct_threshold, and
+    each reward unweighted."""
     prompts = [e.meta[self.cfg.prompt_field] for e in examples]
     fields = {k: [e.meta.get(k) for e in examples] for k in self.fields}
     total, parts = R.score_batch(self.rewards, prompts, completions, fields,
@@ -233,5 +243,5 @@ def examples_from_file(task: DatasetTask, path: str) -> list[Example]:
   `task` (same fields, rewards and chat template); reward fields checked."""
   records = read_jsonl(path, task.cfg.prompt_field)
   check_fields(task.rewards, records)
-  return [task._example(r) for r in records]
+  return [task.example(r) for r in records]
 
