@@ -9,14 +9,21 @@ from gspo_jax.logprobs import token_logprobs, token_logprobs_from_hidden
 from gspo_jax.losses import (
     AGGREGATIONS,
     KL_ESTIMATORS,
+    LOSS_DEFAULTS,
     LOSSES,
+    Surrogate,
     aggregate,
     clipped_surrogate,
     grpo_loss,
     gspo_loss,
     gspo_token_loss,
+    kl_loss,
     kl_penalty,
+    policy_metrics,
+    row_lengths,
     sequence_log_ratio,
+    token_advantages,
+    token_log_ratio,
 )
 
 __version__ = "0.1.0"

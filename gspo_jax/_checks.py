@@ -56,6 +56,28 @@ def check_mask(fn: str, name: str, mask: Any) -> None:
         f"at index {where}")
 
 
+def check_token_arrays(fn: str, mask_BxT: Any, **arrays: Any) -> None:
+  """The first of `arrays` (e.g. logp_BxT=...) is a float (B, T) array; the others are float
+  arrays of its shape; mask_BxT is a 0/1 mask of its shape."""
+  (first, x), *others = arrays.items()
+  check_rank(fn, first, x, 2, "B, T")
+  check_float(fn, first, x)
+  for name, y in others:
+    check_shape(fn, name, y, np.shape(x), first)
+    check_float(fn, name, y)
+  check_shape(fn, "mask_BxT", mask_BxT, np.shape(x), first)
+  check_mask(fn, "mask_BxT", mask_BxT)
+
+
+def check_rows_or_tokens(fn: str, name: str, x: Any, shape_BxT: tuple[int, int],
+                         like: str) -> None:
+  """x has shape (B,) (one value per row) or (B, T) (one per token)."""
+  if np.ndim(x) == 1:
+    check_shape(fn, name, x, tuple(shape_BxT[:1]), f"{like}.shape[:1]")
+  else:
+    check_shape(fn, name, x, tuple(shape_BxT), f"{like}, or (B,)")
+
+
 def check_positive(fn: str, name: str, value: Any) -> None:
   """Python/numpy scalars must be > 0; traced scalars (schedules) pass unchecked."""
   if isinstance(value, numbers.Number) or (is_concrete(value) and np.ndim(value) == 0):

@@ -42,10 +42,11 @@ VOCAB = NUM_DIGITS + 1
 
 @dataclasses.dataclass(frozen=True)
 class DemoConfig:
-  """Static knobs of the demo. eps_* default to the paper's GSPO ranges (3e-4, 4e-4)."""
+  """Static knobs of the demo. eps_* default to the GSPO entry of `losses.LOSS_DEFAULTS`
+  (the paper's 3e-4, 4e-4)."""
   loss: str = "gspo"
-  eps_low: float = 3e-4
-  eps_high: float = 4e-4
+  eps_low: float = losses.LOSS_DEFAULTS["gspo"]["eps_low"]
+  eps_high: float = losses.LOSS_DEFAULTS["gspo"]["eps_high"]
   num_prompts: int = 64            # P
   answer_len: int = 5              # L digits, then EOS
   max_len: int = 7                 # T

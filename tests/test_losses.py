@@ -1,5 +1,6 @@
 """gspo_jax.losses: hand-derived numbers, the identities of GSPO_SPEC section 11, padding,
-edge cases and bad input. Every numeric test runs in float32 and float64 (`dtype`).
+edge cases and bad input; the losses rebuilt from the public blocks; the KL term.
+Every numeric test runs in float32 and float64 (`dtype`).
 
 Most tests take a loss, its metrics and its gradient from `evaluate`: one jitted program
 per (static arguments, shapes, dtype) that computes every loss accepting those arguments,
@@ -11,6 +12,7 @@ op: XLA's simplifications inside one program can hide a NaN that eager execution
 """
 
 import functools
+import inspect
 import math
 
 import jax
@@ -49,10 +51,8 @@ def random_batch(seed, dtype, B=6, T=7, scale=0.05, prefix=True, empty_rows=()):
 
 
 @functools.partial(jax.jit, static_argnames=("names", "static"))
-def _evaluate(logp, old, adv, mask, ref, numbers, *, names, static):
+def _evaluate(logp, old, adv, mask, numbers, *, names, static):
   kw = {**dict(static), **numbers}
-  if ref is not None:
-    kw["ref_logp_BxT"] = ref
   out = {}
   for name in names:
     f = lambda lp: LOSSES[name](lp, old, adv, mask, **kw)
@@ -61,16 +61,14 @@ def _evaluate(logp, old, adv, mask, ref, numbers, *, names, static):
   return out
 
 
-# Passed traced, so that tests differing only in these share one compiled program. kl_coef
-# without a reference must stay a Python 0 (the loss checks it).
+# Passed traced, so that tests differing only in these share one compiled program.
 _TRACED = ("eps_low", "eps_high", "token_sum_norm")
 
 
-def evaluate(name, logp, old, adv, mask, ref_logp_BxT=None, **kw):
+def evaluate(name, logp, old, adv, mask, **kw):
   """(loss, metrics, dloss/dlogp) of LOSSES[name](logp, old, adv, mask, **kw), one program."""
-  traced = _TRACED + (("kl_coef",) if ref_logp_BxT is not None else ())
-  numbers = {k: v for k, v in kw.items() if k in traced}
-  static = tuple(sorted((k, v) for k, v in kw.items() if k not in traced))
+  numbers = {k: v for k, v in kw.items() if k in _TRACED}
+  static = tuple(sorted((k, v) for k, v in kw.items() if k not in _TRACED))
   # Every loss that takes these arguments, in one program: a test parametrized over the
   # losses compiles it once and its other cases hit the cache.
   if {"aggregation", "token_sum_norm"} & set(kw):
@@ -78,7 +76,7 @@ def evaluate(name, logp, old, adv, mask, ref_logp_BxT=None, **kw):
   else:
     names = ("gspo_token", "grpo") if np.ndim(adv) == 2 else tuple(LOSSES)
   assert name in names, (name, names)
-  out = _evaluate(logp, old, adv, mask, ref_logp_BxT, numbers, names=names, static=static)
+  out = _evaluate(logp, old, adv, mask, numbers, names=names, static=static)
   return out[name]
 
 
@@ -292,14 +290,19 @@ JUNK = [np.nan, np.inf, -np.inf, 1e30, -7.0]
 @pytest.mark.parametrize("name", list(LOSSES))
 def test_padding_changes_nothing(name, dtype, tol):
   # Identity 5: junk (even NaN/inf) at masked positions and extra padded columns change
-  # neither loss nor gradient; masked positions get exactly zero gradient.
+  # neither loss nor gradient; masked positions get exactly zero gradient. The loss is
+  # pg_loss + 0.1 * kl_loss, as a train step adds the KL term.
   logp, old, adv, mask = random_batch(4, dtype, B=6, T=5, scale=0.1, prefix=False,
                                       empty_rows=(3,))
   eps = dict(eps_low=0.05, eps_high=0.05)
   ref = logp + 0.3
-  kw = dict(ref_logp_BxT=ref, kl_coef=0.1, **eps)
   adv_in = adv if name != "gspo_token" else jnp.broadcast_to(adv[:, None], mask.shape) + 0.1 * logp
-  fn = lambda lp, o, a, mk, r: LOSSES[name](lp, o, a, mk, **{**kw, "ref_logp_BxT": r})
+
+  def fn(lp, o, a, mk, r):
+    pg_loss, metrics = LOSSES[name](lp, o, a, mk, **eps)
+    kl, kl_metrics = L.kl_loss(lp, r, mk)
+    return pg_loss + 0.1 * kl, {**metrics, **kl_metrics}
+
   (loss, metrics), g = jax.value_and_grad(fn, has_aux=True)(logp, old, adv_in, mask, ref)
 
   m = np.asarray(mask, bool)
@@ -384,6 +387,123 @@ def test_old_logp_is_a_constant(name, dtype):
   assert np.all(np.asarray(g_seq) == 0)
 
 
+# ---------------------------------------------------- the losses rebuilt from public blocks
+
+
+def gspo_from_blocks(logp, old, adv_B, mask, *, eps_low, eps_high):
+  """GSPO (paper Eq. 5) from the public blocks only."""
+  log_s_B = L.sequence_log_ratio(logp, old, mask)
+  surrogate = L.clipped_surrogate(log_s_B, adv_B, eps_low=eps_low, eps_high=eps_high)
+  pg_loss = -L.aggregate(surrogate.objective, mask)
+  return pg_loss, L.policy_metrics(pg_loss, surrogate, L.token_log_ratio(logp, old, mask), mask)
+
+
+def grpo_from_blocks(logp, old, adv, mask, *, eps_low, eps_high, aggregation):
+  """GRPO (paper Eq. 2) from the public blocks only."""
+  l_BxT = L.token_log_ratio(logp, old, mask)
+  surrogate = L.clipped_surrogate(l_BxT, L.token_advantages(adv, mask), eps_low=eps_low,
+                                  eps_high=eps_high)
+  pg_loss = -L.aggregate(surrogate.objective, mask, mode=aggregation)
+  return pg_loss, L.policy_metrics(pg_loss, surrogate, l_BxT, mask)
+
+
+def gspo_token_from_blocks(logp, old, adv, mask, *, eps_low, eps_high):
+  """GSPO-token (paper Eqs. 13-14) from the public blocks only."""
+  sg = jax.lax.stop_gradient
+  l_BxT = L.token_log_ratio(logp, old, mask)
+  log_s_B = L.sequence_log_ratio(logp, old, mask)
+  surrogate = L.clipped_surrogate((l_BxT - sg(l_BxT)) + sg(log_s_B)[:, None],
+                                  L.token_advantages(adv, mask), eps_low=eps_low,
+                                  eps_high=eps_high)
+  pg_loss = -L.aggregate(surrogate.objective, mask)
+  return pg_loss, L.policy_metrics(pg_loss, surrogate, l_BxT, mask, ratio=jnp.exp(log_s_B))
+
+
+def test_losses_rebuilt_from_public_blocks_equal_the_losses(dtype, tol):
+  # Random batch with an empty row, non-prefix masks and junk (NaN, inf) at masked
+  # positions, at a clip range where some rows or tokens are clipped and some are not.
+  logp, old, adv, mask = random_batch(23, dtype, B=8, T=6, scale=0.1, prefix=False,
+                                      empty_rows=(2,))
+  m = np.asarray(mask, bool)
+  junk = lambda x: arr(np.where(m, np.asarray(x), np.random.default_rng(23).choice(JUNK, m.shape)),
+                       dtype)
+  logp, old = junk(logp), junk(old)
+  adv_BxT = junk(np.asarray(adv)[:, None] + np.random.default_rng(24).normal(0, 1, m.shape))
+  eps = dict(eps_low=0.02, eps_high=0.03)
+  pairs = {
+      "gspo": (lambda lp: L.gspo_loss(lp, old, adv, mask, **eps),
+               lambda lp: gspo_from_blocks(lp, old, adv, mask, **eps)),
+      "gspo_token": (lambda lp: L.gspo_token_loss(lp, old, adv_BxT, mask, **eps),
+                     lambda lp: gspo_token_from_blocks(lp, old, adv_BxT, mask, **eps)),
+      "grpo": (lambda lp: L.grpo_loss(lp, old, adv, mask, aggregation="token-mean", **eps),
+               lambda lp: grpo_from_blocks(lp, old, adv, mask, aggregation="token-mean", **eps)),
+  }
+  run = jax.jit(lambda lp: {name: tuple(jax.value_and_grad(f, has_aux=True)(lp) for f in fs)
+                            for name, fs in pairs.items()})
+  for name, (((loss, metrics), g), ((loss_b, metrics_b), g_b)) in run(logp).items():
+    assert 0 < float(metrics["clip_frac_token"]) < 1, name
+    assert np.all(np.isfinite(g)) and np.any(np.asarray(g) != 0), name
+    np.testing.assert_allclose(loss_b, loss, err_msg=name, **tol)
+    assert metrics_b.keys() == metrics.keys(), name
+    for k in metrics:
+      np.testing.assert_allclose(metrics_b[k], metrics[k], err_msg=f"{name}: {k}", **tol)
+    np.testing.assert_allclose(g_b, g, err_msg=name, **tol)
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_signature_and_keyword_defaults_are_loss_defaults(name):
+  params = inspect.signature(LOSSES[name]).parameters
+  # One calling convention: LOSSES[name](logp, old_logp, adv, mask, **hyperparameters).
+  assert list(params)[:4] == ["logp_BxT", "old_logp_BxT", "adv", "mask_BxT"]
+  defaults = {k: p.default for k, p in params.items() if p.kind is p.KEYWORD_ONLY}
+  table = L.LOSS_DEFAULTS[name]
+  assert {k: defaults.get(k, "missing") for k in table} == table
+  # No KL arguments (the KL term is kl_loss); token_sum_norm (None = T) is GRPO's only extra.
+  assert set(defaults) - set(table) == ({"token_sum_norm"} if name == "grpo" else set())
+  assert set(L.LOSS_DEFAULTS) == set(LOSSES)
+
+
+def test_clipped_surrogate_hand_values(dtype, tol):
+  # eps 0.2, clip range [0.8, 1.2]:
+  #   r = 1.5, A = +1: clipped high -> 1.2 * 1      r = 0.5, A = -1: clipped low -> 0.8 * -1
+  #   r = 1.1, A = +1: kept -> 1.1                  r = 1.5, A = -1: kept (A < 0 clips low only)
+  #   r = 0.5, A = +2: kept (A > 0 clips high only) -> 1.0
+  # d objective / d log r = r A where kept, exactly 0 where clipped.
+  log_r = arr(np.log([1.5, 0.5, 1.1, 1.5, 0.5]), dtype)
+  adv = arr([1.0, -1.0, 1.0, -1.0, 2.0], dtype)
+  f = jax.jit(lambda lr: L.clipped_surrogate(lr, adv, eps_low=0.2, eps_high=0.2))
+  out = f(log_r)
+  assert isinstance(out, L.Surrogate)
+  np.testing.assert_allclose(out.objective, [1.2, -0.8, 1.1, -1.5, 1.0], **tol)
+  np.testing.assert_allclose(out.ratio, [1.5, 0.5, 1.1, 1.5, 0.5], **tol)
+  np.testing.assert_array_equal(out.clipped_high, [True, False, False, False, False])
+  np.testing.assert_array_equal(out.clipped_low, [False, True, False, False, False])
+  g = jax.grad(lambda lr: jnp.sum(f(lr).objective))(log_r)
+  np.testing.assert_allclose(g, [0.0, 0.0, 1.1, -1.5, 1.0], **tol)
+  assert float(g[0]) == 0.0 and float(g[1]) == 0.0
+  # The ratio is reported without gradient.
+  assert np.all(np.asarray(jax.grad(lambda lr: jnp.sum(f(lr).ratio))(log_r)) == 0)
+
+
+def test_row_lengths_token_advantages_and_per_sequence_aggregate(dtype, tol):
+  mask = jnp.asarray(HAND_M, jnp.float32)
+  n = L.row_lengths(mask)
+  np.testing.assert_array_equal(n, [3, 1, 2, 3, 0])
+  adv = arr(HAND_A, dtype)
+  adv_BxT = L.token_advantages(adv, mask)
+  np.testing.assert_array_equal(adv_BxT, np.asarray(HAND_A)[:, None] * np.asarray(HAND_M))
+  junk_BxT = arr(np.where(np.asarray(HAND_M, bool), np.asarray(adv_BxT), np.nan), dtype)
+  np.testing.assert_array_equal(L.token_advantages(junk_BxT, mask), adv_BxT)
+  # Per-sequence values x_B = HAND_A stand for x_it = x_i on counted tokens; row 4 is empty
+  # (its value, even NaN, is ignored). Row sums n_i x_i = [3, -1, -4, 1.5], N = 4, 9 tokens.
+  x_B = arr(HAND_A[:4] + [np.nan], dtype)
+  want = {"seq-mean-token-mean": (1 - 1 - 2 + 0.5) / 4, "token-mean": -0.5 / 9,
+          "seq-mean-token-sum-norm": -0.5 / (4 * 3)}
+  for mode, value in want.items():
+    np.testing.assert_allclose(L.aggregate(x_B, mask, mode=mode), value, err_msg=mode, **tol)
+    np.testing.assert_allclose(L.aggregate(adv_BxT, mask, mode=mode), value, err_msg=mode, **tol)
+
+
 # -------------------------------------------------------------------------- KL term
 
 
@@ -400,27 +520,59 @@ def test_kl_estimators_hand_values(dtype, tol):
     np.testing.assert_allclose(kls[est], [[w[0], w[1], 0.0]], **tol)
 
 
-@pytest.mark.parametrize("name", list(LOSSES))
-def test_kl_term_adds_beta_times_aggregated_kl(name, dtype, tol):
-  logp, old, adv, mask = random_batch(11, dtype, scale=0.1)
-  ref = arr(np.asarray(logp) - 0.2 * np.abs(np.asarray(logp)), dtype)
-  f = LOSSES[name]
+# KL hand batch: d = ref - logp ("*" = masked junk), row 2 empty, N = 2.
+#   row 0: d = [0.5, -1.0, *]   n = 2
+#   row 1: d = [0.2, *, *]      n = 1
+KL_LOGP = [[-1.0, -2.0, 4.0], [-0.7, np.nan, 1.0], [np.inf, 0.0, -3.0]]
+KL_REF = [[-0.5, -3.0, np.nan], [-0.5, 2.0, np.inf], [1.0, 2.0, 3.0]]
+KL_M = [[1, 1, 0], [1, 0, 0], [0, 0, 0]]
+
+
+def test_kl_loss_hand_values_each_aggregation(dtype, tol):
+  logp, ref, mask = arr(KL_LOGP, dtype), arr(KL_REF, dtype), jnp.asarray(KL_M, jnp.float32)
+  # k2 = d^2/2: row 0 [0.125, 0.5] (sum 0.625, mean 0.3125), row 1 [0.02].
+  want = {"seq-mean-token-mean": (0.3125 + 0.02) / 2, "token-mean": 0.645 / 3,
+          "seq-mean-token-sum-norm": 0.645 / (2 * 3)}  # default normaliser T = 3
 
   @jax.jit
-  def run(logp, old, adv, mask, ref):
-    base, _ = f(logp, old, adv, mask)
-    with_ref_beta0, _ = f(logp, old, adv, mask, ref_logp_BxT=ref)
-    loss, m = f(logp, old, adv, mask, ref_logp_BxT=ref, kl_coef=0.25, kl_estimator="k2")
-    kl = L.aggregate(L.kl_penalty(logp, ref, mask, estimator="k2"), mask)
-    g_ref = jax.grad(lambda r: f(logp, old, adv, mask, ref_logp_BxT=r, kl_coef=0.25)[0])(ref)
-    return base, with_ref_beta0, loss, m, kl, g_ref
+  def run(logp, ref, mask):
+    out = {mode: L.kl_loss(logp, ref, mask, estimator="k2", aggregation=mode) for mode in want}
+    out["norm4"] = L.kl_loss(logp, ref, mask, estimator="k2",
+                             aggregation="seq-mean-token-sum-norm", token_sum_norm=4.0)
+    k2 = lambda lp, r: L.kl_loss(lp, r, mask, estimator="k2")[0]
+    return out, jax.grad(k2)(logp, ref), jax.grad(k2, argnums=1)(logp, ref)
 
-  base, with_ref_beta0, loss, m, kl, g_ref = run(logp, old, adv, mask, ref)
-  np.testing.assert_allclose(with_ref_beta0, base, **tol)  # beta = 0 by default
-  np.testing.assert_allclose(loss, base + 0.25 * kl, **tol)
-  np.testing.assert_allclose(m["kl"], kl, **tol)
+  out, g, g_ref = run(logp, ref, mask)
+  for mode, value in want.items():
+    kl, metrics = out[mode]
+    np.testing.assert_allclose(kl, value, err_msg=mode, **tol)
+    assert list(metrics) == ["kl"] and float(metrics["kl"]) == float(kl)
+  np.testing.assert_allclose(out["norm4"][0], 0.645 / (2 * 4), **tol)
+  # dk2/dlogp = -d, over N n_i: row 0 -[0.5, -1.0] / 4, row 1 -0.2 / 2; 0 where masked.
+  np.testing.assert_allclose(g, [[-0.125, 0.25, 0], [-0.1, 0, 0], [0, 0, 0]], **tol)
   # The reference is a constant: no gradient reaches it.
   assert np.all(np.asarray(g_ref) == 0)
+
+
+def test_policy_loss_plus_kl_term_gradient_on_policy(dtype, tol):
+  # The KL term is added by the caller: L = pg_loss + c * kl_loss (k3, seq-mean-token-mean).
+  # On policy, with d = ref - logp and dk3/dlogp = 1 - e^d, for every loss:
+  #   dL/dlogp_it = m_it (-A_i + c (1 - e^d_it)) / (N n_i)
+  logp, _, adv, mask = random_batch(11, dtype, scale=0.1, empty_rows=(1,))
+  ref = logp + arr(np.random.default_rng(11).normal(0, 0.3, logp.shape), dtype)
+  c = 0.25
+
+  @jax.jit
+  def grads(logp, adv, mask, ref):
+    total = lambda f: lambda lp: f(lp, logp, adv, mask)[0] + c * L.kl_loss(lp, ref, mask)[0]
+    return {name: jax.grad(total(f))(logp) for name, f in LOSSES.items()}
+
+  m, a = np.asarray(mask), np.asarray(adv)
+  n = m.sum(1)
+  d = np.asarray(ref) - np.asarray(logp)
+  expected = m * (-a[:, None] + c * (1 - np.exp(d))) / ((n > 0).sum() * np.maximum(n, 1))[:, None]
+  for name, g in grads(logp, adv, mask, ref).items():
+    np.testing.assert_allclose(g, expected, err_msg=name, **tol)
 
 
 # ------------------------------------------------------------------- transformations
@@ -454,6 +606,7 @@ def test_jit_vmap_grad(name, dtype, tol):
 def test_building_blocks_jit_vmap_grad(dtype, tol):
   logp, old, _, mask = random_batch(13, dtype)
   for f in (L.sequence_log_ratio,
+            L.token_log_ratio,
             lambda a, b, m: L.kl_penalty(a, b, m),
             lambda a, b, m: L.aggregate(a - b, m, mode="token-mean")):
     np.testing.assert_allclose(jax.jit(f)(logp, old, mask), f(logp, old, mask), **tol)
@@ -538,13 +691,16 @@ def _bad_input_cases():
   logp = jnp.zeros((2, 3))
   adv = jnp.zeros(2)
   mask = jnp.ones((2, 3))
+  surrogate = L.clipped_surrogate(adv, adv, eps_low=0.2, eps_high=0.2)
   return [
-      ("old_logp_BxT", lambda: L.gspo_loss(logp, jnp.zeros((2, 4)), adv, mask)),
+      ("gspo_loss: old_logp_BxT", lambda: L.gspo_loss(logp, jnp.zeros((2, 4)), adv, mask)),
       ("mask_BxT", lambda: L.gspo_loss(logp, logp, adv, jnp.ones((3, 3)))),
-      ("adv_B", lambda: L.gspo_loss(logp, logp, jnp.zeros(3), mask)),
-      ("gspo_token_loss", lambda: L.gspo_loss(logp, logp, jnp.zeros((2, 3)), mask)),
-      ("adv", lambda: L.gspo_token_loss(logp, logp, jnp.zeros((2, 4)), mask)),
-      ("adv", lambda: L.grpo_loss(logp, logp, jnp.zeros(5), mask)),
+      # The advantage argument is `adv` in every loss, and errors say so.
+      (r"gspo_loss: adv\b", lambda: L.gspo_loss(logp, logp, jnp.zeros(3), mask)),
+      (r"gspo_loss: adv\b.*gspo_token_loss",
+       lambda: L.gspo_loss(logp, logp, jnp.zeros((2, 3)), mask)),
+      (r"gspo_token_loss: adv\b", lambda: L.gspo_token_loss(logp, logp, jnp.zeros((2, 4)), mask)),
+      (r"grpo_loss: adv\b", lambda: L.grpo_loss(logp, logp, jnp.zeros(5), mask)),
       ("logp_BxT", lambda: L.gspo_loss(jnp.zeros((2, 3, 1)), logp, adv, mask)),
       ("logp_BxT", lambda: L.gspo_loss(jnp.zeros((2, 3), jnp.int32), logp, adv, mask)),
       ("mask_BxT", lambda: L.gspo_loss(logp, logp, adv, jnp.full((2, 3), 0.5))),
@@ -557,11 +713,26 @@ def _bad_input_cases():
       ("mode", lambda: L.aggregate(logp, mask, mode="token-sum")),
       ("token_sum_norm", lambda: L.aggregate(logp, mask, mode="seq-mean-token-sum-norm",
                                              token_sum_norm=0)),
-      ("kl_estimator", lambda: L.gspo_loss(logp, logp, adv, mask, ref_logp_BxT=logp,
-                                           kl_estimator="k4")),
-      ("ref_logp_BxT", lambda: L.gspo_loss(logp, logp, adv, mask, kl_coef=0.1)),
-      ("ref_logp_BxT", lambda: L.grpo_loss(logp, logp, adv, mask, ref_logp_BxT=jnp.zeros((2, 2)),
-                                           kl_coef=0.1)),
+      ("kl_loss: estimator", lambda: L.kl_loss(logp, logp, mask, estimator="k4")),
+      ("kl_loss: aggregation", lambda: L.kl_loss(logp, logp, mask, aggregation="seq-mean")),
+      ("kl_loss: ref_logp_BxT", lambda: L.kl_loss(logp, jnp.zeros((2, 2)), mask)),
+      ("kl_penalty: ref_logp_BxT", lambda: L.kl_penalty(logp, jnp.zeros((2, 2)), mask)),
+      # The public blocks check their own arguments.
+      ("token_log_ratio: old_logp_BxT", lambda: L.token_log_ratio(logp, jnp.zeros(2), mask)),
+      ("row_lengths: mask_BxT", lambda: L.row_lengths(jnp.full((2, 3), 0.5))),
+      (r"token_advantages: adv\b", lambda: L.token_advantages(jnp.zeros(3), mask)),
+      (r"clipped_surrogate: adv\b",
+       lambda: L.clipped_surrogate(adv, jnp.zeros(3), eps_low=0.2, eps_high=0.2)),
+      ("clipped_surrogate: eps_low",
+       lambda: L.clipped_surrogate(adv, adv, eps_low=0.0, eps_high=0.2)),
+      ("aggregate: x", lambda: L.aggregate(jnp.zeros((2, 4)), mask)),
+      ("aggregate: x", lambda: L.aggregate(jnp.zeros(3), mask)),
+      ("aggregate: x", lambda: L.aggregate(jnp.zeros(()), mask)),
+      ("policy_metrics: surrogate.clipped_low",
+       lambda: L.policy_metrics(0.0, surrogate._replace(clipped_low=jnp.zeros(3, bool)), logp,
+                                mask)),
+      ("policy_metrics: ratio", lambda: L.policy_metrics(0.0, surrogate, logp, mask,
+                                                         ratio=jnp.zeros((2, 4)))),
   ]
 
 

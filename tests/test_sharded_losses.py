@@ -23,11 +23,15 @@ def make(shape, names):
   return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names))
 
 
-@pytest.mark.parametrize("name", list(losses.LOSSES))
+@pytest.mark.parametrize("name", [*losses.LOSSES, "kl"])
 def test_sharded_loss_and_grad_equal_single_device(name, dtype, tol):
   # Every mesh of MESHES against one single-device reference (compiled once, not per mesh).
+  # "kl" is the KL term a train step adds, kl_loss, with old_logp standing in for pi_ref.
   logp, old, adv, mask = random_batch(30, dtype, B=16, T=8, scale=0.1, empty_rows=(3,))
-  fn = functools.partial(losses.LOSSES[name], eps_low=0.02, eps_high=0.03)
+  if name == "kl":
+    fn = lambda lp, r, a, m: losses.kl_loss(lp, r, m)
+  else:
+    fn = functools.partial(losses.LOSSES[name], eps_low=0.02, eps_high=0.03)
   value_and_grad = jax.value_and_grad(lambda lp, o, a, m: fn(lp, o, a, m), has_aux=True)
   (loss, metrics), grad = jax.jit(value_and_grad)(logp, old, adv, mask)
 
