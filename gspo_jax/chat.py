@@ -5,6 +5,11 @@ with jinja2 itself, in a sandbox, is the only way to reproduce it exactly (the t
 use jinja2's syntax, filters and whitespace rules). E.g. SmolLM2 / Qwen3 (ChatML):
 
     <|im_start|>user\\nWhat is 2+3?<|im_end|>\\n<|im_start|>assistant\\n
+
+The rendered text is transformers' `apply_chat_template(..., tokenize=False)`: a template
+that starts with `{{ bos_token }}` (Llama 2 / 3, Mistral, Gemma) writes the BOS as text.
+Encode it as `apply_chat_template` does, without adding special tokens:
+`text.encode_prompts(tok, rendered, max_len, add_special_tokens=False)`.
 """
 
 from __future__ import annotations
@@ -29,33 +34,25 @@ def compile_template(template: str) -> jinja2.Template:
 def prompt_renderer(template: str, *, system_prompt: str = "", bos_token: str = "",
                     eos_token: str = "") -> Callable[[str], str]:
   """A function user text -> the rendered prompt, ending with the assistant's turn header
-  (`add_generation_prompt=True`). messages = [system (if given), user].
-
-  `bos_token` is what the template may write at the start; it is stripped again from the
-  rendered text when given, because the trainer prepends the BOS id itself (a template
-  that writes it too would double it)."""
+  (`add_generation_prompt=True`). messages = [system (if given), user]. `bos_token` and
+  `eos_token` are the texts the template may write (transformers passes the tokenizer's)."""
   compiled = compile_template(template)
 
   def render(prompt: str) -> str:
     messages = ([{"role": "system", "content": system_prompt}] if system_prompt else [])
     messages.append({"role": "user", "content": prompt})
-    text = compiled.render(messages=messages, add_generation_prompt=True,
+    return compiled.render(messages=messages, add_generation_prompt=True,
                            bos_token=bos_token, eos_token=eos_token)
-    if bos_token and text.startswith(bos_token):
-      text = text[len(bos_token):]
-    return text
 
   return render
 
 
 def tokenizer_renderer(tok, *, system_prompt: str = "") -> Callable[[str], str] | None:
-  """The renderer of a tokenizer's own chat template, or None when it has none. When the
-  tokenizer prepends a BOS (`tok.bos_id` set), the template gets its text and any copy it
-  writes is stripped (the trainer adds the id); otherwise `bos_token` is "" (SmolLM2 and
-  Qwen3 templates do not use it; `HFTokenizer` keeps no BOS it does not prepend)."""
+  """The renderer of a tokenizer's own chat template, or None when it has none. The
+  template sees the tokenizer config's `bos_token` text (whether or not encoding adds it,
+  as in transformers) and the EOS token's text."""
   template = getattr(tok, "chat_template", None)
   if not template:
     return None
-  bos = "" if tok.bos_id is None else tok.decode([tok.bos_id])
-  return prompt_renderer(template, system_prompt=system_prompt, bos_token=bos,
+  return prompt_renderer(template, system_prompt=system_prompt, bos_token=tok.bos_token or "",
                          eos_token=tok.decode([tok.eos_id]))

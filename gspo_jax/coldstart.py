@@ -20,7 +20,7 @@ def supervised_batch(run, examples):
   cfg, tok, mesh = run.cfg, run.tok, run.layout.mesh
   B = len(examples)
   mine = sharding.local_part(examples, mesh)
-  prompts, lens = text.encode_prompts(tok, [e.prompt for e in mine], cfg.rollout.max_prompt_len)
+  prompts, lens = run.encode_prompts([e.prompt for e in mine])
   tokens, mask = text.encode_completions(tok, [run.task.demonstration(e) for e in mine],
                                          cfg.rollout.max_new_tokens)
   return tuple(sharding.feed(x, mesh, B) for x in (prompts, lens, tokens, mask))

@@ -42,9 +42,9 @@ def pass_at_k(n: int, c, k: int):
 
 def _generate(run, sampler, params, chunk, key):
   """Responses to this process's rows of `chunk`: (its examples, texts [rows][G])."""
-  cfg, tok, mesh = run.cfg, run.tok, run.layout.mesh
+  tok, mesh = run.tok, run.layout.mesh
   mine = sharding.local_part(chunk, mesh)
-  prompts, lens = text.encode_prompts(tok, [e.prompt for e in mine], cfg.rollout.max_prompt_len)
+  prompts, lens = run.encode_prompts([e.prompt for e in mine])
   rollout = sampler(params, sharding.feed(prompts, mesh, len(chunk)),
                     sharding.feed(lens, mesh, len(chunk)), key)
   tokens, mask = sharding.to_host(rollout.tokens_BxGxT), sharding.to_host(rollout.mask_BxGxT)

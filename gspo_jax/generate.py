@@ -4,7 +4,8 @@
         [--max-new-tokens 32] [--temperature 0.7 --top-p 0.9 --num-samples 4] [--seed 0]
 
 Greedy unless --temperature is given. Prompts are used as plain text (chat templates are
-the bring-your-own-task issue's).
+the bring-your-own-task issue's), encoded as transformers' `tokenizer.encode(prompt)` does:
+with the tokenizer's own BOS where it has one (Llama 2 / 3), nothing added for Qwen.
 """
 
 from __future__ import annotations
@@ -14,37 +15,27 @@ import argparse
 import jax
 import numpy as np
 
-from gspo_jax import sampling
+from gspo_jax import sampling, text
 from gspo_jax.hf_tokenizer import load_tokenizer
 from gspo_jax.models import hf
-
-
-def encode(tok, prompts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-  """[bos] + ids (no bos when the tokenizer has none), right-padded: (ids_BxP, lens_B)."""
-  bos = [] if tok.bos_id is None else [tok.bos_id]
-  rows = [bos + tok.encode(p) for p in prompts]
-  for p, row in zip(prompts, rows):
-    if not row:
-      raise ValueError(f"prompt {p!r} encodes to no tokens and the tokenizer has no BOS token")
-  ids = np.full((len(rows), max(map(len, rows))), tok.pad_id, np.int32)
-  for i, row in enumerate(rows):
-    ids[i, :len(row)] = row
-  return ids, np.array([len(r) for r in rows], np.int32)
 
 
 def generate(model, tok, prompts: list[str], *, max_new_tokens: int = 32,
              temperature: float | None = None, top_p: float = 1.0, top_k: int = 0,
              num_samples: int = 1, seed: int = 0) -> list[list[str]]:
-  """`num_samples` completions per prompt (text up to, not including, EOS)."""
-  ids, lens = encode(tok, prompts)
+  """`num_samples` completions per prompt: text up to, not including, EOS (other special
+  tokens show as U+FFFD, see `text.decode_completions`)."""
+  ids_BxP, lens_B = text.encode_prompts(tok, prompts)  # as wide as the longest prompt
   cfg = sampling.SamplerConfig(group_size=num_samples, max_new_tokens=max_new_tokens,
-                               eos_id=tok.eos_id, pad_id=tok.pad_id, max_prompt_len=ids.shape[1],
-                               temperature=temperature or 1.0, greedy=temperature is None,
-                               top_p=top_p, top_k=top_k, vocab_limit=tok.vocab_size)
-  rollout = sampling.sample_groups(model, ids, lens, jax.random.key(seed), cfg)
-  tokens, mask = np.asarray(rollout.tokens_BxGxT), np.asarray(rollout.mask_BxGxT)
-  return [[tok.decode([t for t, m in zip(tokens[b, g], mask[b, g]) if m and t != tok.eos_id])
-           for g in range(num_samples)] for b in range(len(prompts))]
+                               eos_id=tok.eos_id, pad_id=tok.pad_id,
+                               max_prompt_len=ids_BxP.shape[1], temperature=temperature or 1.0,
+                               greedy=temperature is None, top_p=top_p, top_k=top_k,
+                               vocab_limit=tok.vocab_size)
+  rollout = sampling.sample_groups(model, ids_BxP, lens_B, jax.random.key(seed), cfg)
+  B, G, T = rollout.tokens_BxGxT.shape
+  texts = text.decode_completions(tok, np.asarray(rollout.tokens_BxGxT).reshape(B * G, T),
+                                  np.asarray(rollout.mask_BxGxT).reshape(B * G, T))
+  return [texts[b * G:(b + 1) * G] for b in range(B)]
 
 
 def main(argv=None):

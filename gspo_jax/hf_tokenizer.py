@@ -3,8 +3,17 @@
 
 Special tokens come from `tokenizer_config.json` (`eos_token`, `pad_token`, `bos_token`,
 each a string or {"content": ...}), falling back to the ids in `generation_config.json` /
-`config.json`. A missing pad token means pad = eos (as most chat models do). `bos_id` is
-the token prompts start with: set only when `add_bos_token` is true, else None.
+`config.json`. A missing pad token means pad = eos (as most chat models do).
+
+BOS / EOS on `encode(text, add_special_tokens=True)` are decided, as in transformers 5, by
+tokenizer.json's own post-processor alone (Llama 3 and Llama 2 prepend BOS there; Qwen3
+and SmolLM2 add nothing). `add_bos_token` / `add_eos_token` in tokenizer_config.json are
+ignored: transformers 5 drops them whenever a tokenizer.json exists. transformers 4 rebuilt
+the post-processor from them only in its Llama, CodeLlama, Gemma, Cohere and GPT-NeoX
+classes, and its own `save_pretrained` writes that post-processor into tokenizer.json, so
+the two versions differ only for a config edited by hand (tests/data/tokenizer_fixtures
+records both). `bos_id` is the token that post-processor puts first, or None;
+`bos_token` is the config's BOS text, which chat templates may write.
 """
 
 from __future__ import annotations
@@ -37,13 +46,14 @@ def _content(token) -> str | None:
 class HFTokenizer(Tokenizer):
 
   def __init__(self, tok: tokenizers.Tokenizer, *, eos: str | int, pad: str | int | None = None,
-               bos: str | int | None = None, chat_template: str | None = None,
+               bos_token: str | None = None, chat_template: str | None = None,
                source: str = "tokenizer"):
     self._tok = tok
     self.chat_template = chat_template
+    self.bos_token = bos_token
     self._eos = self._id(eos, "eos_token", source)
     self._pad = self._eos if pad is None else self._id(pad, "pad_token", source)
-    self._bos = None if bos is None else self._id(bos, "bos_token", source)
+    self._prefix = _added_ids(tok)[0]
 
   def _id(self, token: str | int, field: str, source: str) -> int:
     if isinstance(token, int):
@@ -74,19 +84,18 @@ class HFTokenizer(Tokenizer):
     if eos is None:
       raise ValueError(f"{directory}: no eos_token in {TOKENIZER_CONFIG} and no eos_token_id in "
                        "generation_config.json / config.json")
-    # BOS is prepended only where the tokenizer says so (Llama 2: yes; SmolLM2 names a
-    # bos_token but does not add it; Qwen3 has none).
-    bos = _content(cfg.get("bos_token")) if cfg.get("add_bos_token", False) else None
-    return cls(tok, eos=eos, pad=_content(cfg.get("pad_token")), bos=bos,
-               chat_template=cfg.get("chat_template"), source=directory)
+    return cls(tok, eos=eos, pad=_content(cfg.get("pad_token")),
+               bos_token=_content(cfg.get("bos_token")), chat_template=cfg.get("chat_template"),
+               source=directory)
 
   def save(self, directory: str | os.PathLike) -> str:
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, TOKENIZER_JSON)
     self._tok.save(path)
-    token = lambda i: None if i is None else self._tok.id_to_token(i)
-    cfg = {"eos_token": token(self._eos), "pad_token": token(self._pad),
-           "bos_token": token(self._bos), "add_bos_token": self._bos is not None,
+    # BOS / EOS live in tokenizer.json's post-processor, which both transformers 4 and 5 apply
+    # for this class (add_bos_token here would be ignored by both).
+    cfg = {"eos_token": self._tok.id_to_token(self._eos),
+           "pad_token": self._tok.id_to_token(self._pad), "bos_token": self.bos_token,
            "tokenizer_class": "PreTrainedTokenizerFast"}
     if self.chat_template:
       cfg["chat_template"] = self.chat_template
@@ -94,10 +103,13 @@ class HFTokenizer(Tokenizer):
       json.dump(cfg, f, indent=2)
     return path
 
-  def encode(self, text: str) -> list[int]:
+  def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+    """Plain pieces, or with `add_special_tokens` what tokenizer.json's post-processor wraps
+    them in (transformers' `tokenizer.encode(text)`). Special tokens' text inside `text`
+    (e.g. "<|im_end|>") encodes to their single id either way."""
     if not isinstance(text, str):
       raise ValueError(f"encode: text must be a str; got {type(text).__name__}")
-    return self._tok.encode(text, add_special_tokens=False).ids
+    return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
   def decode(self, ids: Sequence[int]) -> str:
     values = np.asarray(ids)
@@ -115,14 +127,29 @@ class HFTokenizer(Tokenizer):
 
   @property
   def bos_id(self) -> int | None:
-    return self._bos
+    return self._prefix[0] if self._prefix else None
 
   @property
   def eos_id(self) -> int:
     return self._eos
 
   def __repr__(self) -> str:
-    return f"HFTokenizer(vocab_size={self.vocab_size}, eos={self._eos}, bos={self._bos})"
+    return f"HFTokenizer(vocab_size={self.vocab_size}, eos={self._eos}, bos={self.bos_id})"
+
+
+def _added_ids(tok: tokenizers.Tokenizer) -> tuple[list[int], list[int]]:
+  """(ids the post-processor puts before a text, ids after it): ([bos], []) for Llama 3,
+  ([], []) for Qwen3. Read off one encoding, so any post-processor type works (Template,
+  Roberta, Bert, Sequence, ...): the tokens of the text itself have a sequence id, added
+  ones have None."""
+  for probe in ("a", "0", " ", "A"):
+    enc = tok.encode(probe, add_special_tokens=True)
+    own = [i for i, s in enumerate(enc.sequence_ids) if s is not None]
+    if own:
+      return enc.ids[:own[0]], enc.ids[own[-1] + 1:]
+  # No probe has a token of its own (a vocabulary without these characters): all added ids
+  # then count as the prefix, the usual place of what a post-processor adds.
+  return tok.encode("", add_special_tokens=True).ids, []
 
 
 def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:

@@ -42,8 +42,7 @@ def rollout_step(run, params, key, step: int, ref_params=None, log=print) -> Rol
   B = cfg.rollout.prompts_per_iter
   # Data position = a pure function of (seed, iteration): resume is exact.
   examples = sharding.local_part(run.task.train_batch(cfg.seed, step, B), mesh)
-  prompts_l, lens_l = text.encode_prompts(tok, [e.prompt for e in examples],
-                                          cfg.rollout.max_prompt_len)
+  prompts_l, lens_l = run.encode_prompts([e.prompt for e in examples])
   prompts, lens = sharding.feed(prompts_l, mesh, B), sharding.feed(lens_l, mesh, B)
   t0 = time.perf_counter()
   rollout, device_stats = run.programs.sample(params, prompts, lens, key, step)

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gspo_jax import checkpoint, configlib, rng, sharding
+from gspo_jax import checkpoint, configlib, rng, sharding, text
 from gspo_jax.config import TrainConfig, check_routing
 from gspo_jax.programs import (Layout, Programs, batch_moe_layers, check_layout, make_layout,
                                make_programs)
@@ -32,6 +32,14 @@ class Run:
   tx: Any
   layout: Layout
   programs: Programs
+
+  def encode_prompts(self, prompts):
+    """The run's prompts as ids: (ids_BxP, lens_B) padded to rollout.max_prompt_len. A
+    prompt rendered by the tokenizer's chat template already holds its special tokens and
+    is encoded without adding any, as transformers' apply_chat_template does."""
+    rendered = getattr(self.task, "render", None) is not None
+    return text.encode_prompts(self.tok, prompts, self.cfg.rollout.max_prompt_len,
+                               add_special_tokens=not rendered)
 
   def reconfigure(self, cfg: TrainConfig) -> "Run":
     """The same run and state with other loss settings (the programs are rebuilt)."""

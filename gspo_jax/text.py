@@ -1,57 +1,100 @@
-"""Text <-> ids for every caller (train, evaluate, generate, the fused iteration).
+"""Text <-> padded id arrays: the one place prompts, completions and answers are encoded,
+and responses decoded, for any `Tokenizer`.
 
-(Interim version: the BOS rule of the tokenizer comes in with the tokenization change.)
+Legend: B rows, P prompt tokens, T completion / response tokens, A answer tokens, R responses.
+Every array is right-padded with `tok.pad_id` (the sampler's prompt layout: tokens at
+0 .. len-1), int32 ids.
+
+Prompts get the tokenizer's own special tokens by default (`add_special_tokens=True`: BOS
+for Llama and the task tokenizer, nothing for Qwen), as transformers' `tokenizer.encode`
+does. A prompt already rendered by the tokenizer's chat template must be encoded with
+`add_special_tokens=False`, as transformers' `apply_chat_template` does: the template
+writes the BOS itself, and adding it again would double it.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 
+def _texts(fn: str, texts: Sequence[str]) -> list[str]:
+  # One str is a sequence of characters: it would encode as a batch of one-letter rows.
+  if isinstance(texts, str):
+    raise ValueError(f"{fn}: expected a sequence of str, not one str; wrap it as [text]")
+  return list(texts)
+
+
 def encode_prompts(tok, prompts: Sequence[str], max_len: int | None = None, *,
-                   field: str = "rollout.max_prompt_len", add_special_tokens: bool = True):
-  """[bos] + prompt ids (no bos when the tokenizer has none), right-padded to max_len:
-  (ids_BxP int32, lens_B int32)."""
-  bos = [] if (tok.bos_id is None or not add_special_tokens) else [tok.bos_id]
-  rows = [bos + tok.encode(p) for p in prompts]
-  for i, (p, row) in enumerate(zip(prompts, rows)):
-    if not row:
-      raise ValueError(f"prompt {i} ({p!r}) encodes to no tokens")
-    if max_len is not None and len(row) > max_len:
-      raise ValueError(f"prompt {i} ({p!r}) needs {len(row)} tokens > {field}={max_len}")
-  width = max_len if max_len is not None else max(map(len, rows), default=1)
-  ids = np.full((len(rows), width), tok.pad_id, np.int32)
+                   field: str = "rollout.max_prompt_len",
+                   add_special_tokens: bool = True) -> tuple[np.ndarray, np.ndarray]:
+  """Prompts as the model sees them: (ids_BxP int32, lens_B int32).
+
+  Args:
+    tok: any `Tokenizer`.
+    prompts: B strings.
+    max_len: P, the width (a fixed width keeps one compiled shape per run); None = the
+      longest prompt's length.
+    field: the config field `max_len` came from, named when a prompt does not fit.
+    add_special_tokens: the tokenizer's BOS (/ EOS) around each prompt; False for prompts
+      rendered by a chat template (see the module docstring).
+  Returns:
+    ids_BxP: row b holds prompt b's tokens at 0 .. lens_B[b]-1, then pad_id.
+    lens_B: token counts (special tokens included).
+  Raises:
+    ValueError: naming the prompt's index when it encodes to no tokens (an empty prompt
+      and no BOS), or the index, its token count and `field` when it is longer than max_len.
+  """
+  prompts = _texts("encode_prompts", prompts)
+  rows = [tok.encode(p, add_special_tokens=add_special_tokens) for p in prompts]
   for i, row in enumerate(rows):
-    ids[i, :len(row)] = row
-  return ids, np.array([len(r) for r in rows], np.int32)
+    if not row:
+      raise ValueError(f"prompt {i} ({prompts[i]!r}) encodes to no tokens (an empty prompt "
+                       "and no BOS token): the sampler needs at least one")
+    if max_len is not None and len(row) > max_len:
+      raise ValueError(f"prompt {i} ({prompts[i][:80]!r}) is {len(row)} tokens, longer than "
+                       f"{field}={max_len}")
+  width = max(map(len, rows), default=0) if max_len is None else max_len
+  ids_BxP = np.full((len(rows), width), tok.pad_id, np.int32)
+  for i, row in enumerate(rows):
+    ids_BxP[i, :len(row)] = row
+  return ids_BxP, np.array([len(r) for r in rows], np.int32)
 
 
-def encode_completions(tok, texts: Sequence[str], max_len: int):
-  """completion ids + [eos], right-padded (truncated to max_len): (ids_BxT, mask_BxT)."""
-  ids = np.full((len(texts), max_len), tok.pad_id, np.int32)
-  mask = np.zeros((len(texts), max_len), np.float32)
+def encode_completions(tok, texts: Sequence[str], max_len: int) -> tuple[np.ndarray, np.ndarray]:
+  """Demonstrations to teacher-force: plain ids + [eos], cut to max_len (T), right-padded.
+
+  Returns:
+    ids_BxT int32, pad_id after the tokens; mask_BxT float32, 1.0 on the tokens (EOS
+    included unless cut off).
+  """
+  texts = _texts("encode_completions", texts)
+  ids_BxT = np.full((len(texts), max_len), tok.pad_id, np.int32)
+  mask_BxT = np.zeros((len(texts), max_len), np.float32)
   for i, text in enumerate(texts):
     row = (tok.encode(text) + [tok.eos_id])[:max_len]
-    ids[i, :len(row)], mask[i, :len(row)] = row, 1.0
-  return ids, mask
+    ids_BxT[i, :len(row)], mask_BxT[i, :len(row)] = row, 1.0
+  return ids_BxT, mask_BxT
 
 
-def encode_answers(tok, answers: Sequence[str], max_len: int):
-  """Canonical answer ids (right-padded with pad_id) and their lengths: (ids_BxA, lens_B)."""
-  ids = np.full((len(answers), max_len), tok.pad_id, np.int32)
-  lens = np.zeros(len(answers), np.int32)
+def encode_answers(tok, answers: Sequence[str], max_len: int) -> tuple[np.ndarray, np.ndarray]:
+  """Canonical answer ids (plain, no EOS), cut to max_len (A), right-padded with pad_id:
+  (ids_BxA int32, lens_B int32). An exact-match reward compares responses against these."""
+  answers = _texts("encode_answers", answers)
+  ids_BxA = np.full((len(answers), max_len), tok.pad_id, np.int32)
+  lens_B = np.zeros(len(answers), np.int32)
   for i, answer in enumerate(answers):
     row = tok.encode(answer)[:max_len]
-    ids[i, :len(row)], lens[i] = row, len(row)
-  return ids, lens
+    ids_BxA[i, :len(row)], lens_B[i] = row, len(row)
+  return ids_BxA, lens_B
 
 
 def decode_completions(tok, tokens_RxT, mask_RxT) -> list[str]:
-  """Text of each response: counted tokens, without the EOS. Other special ids (pad, bos,
-  unk) decode to "" in sentencepiece, which would let "1<s>22" pass for "122": they become
-  U+FFFD instead, so such a response can never match an answer."""
+  """Text of each response: its counted tokens (mask_RxT > 0), without the EOS.
+
+  Other special ids (pad, bos, unk) become U+FFFD: sentencepiece decodes them to "", which
+  would let "1<s>22" pass for "122", so such a response can never match an answer."""
   special = {tok.pad_id, tok.bos_id, getattr(tok, "unk_id", -1)}
   out = []
   for ids, m in zip(np.asarray(tokens_RxT), np.asarray(mask_RxT)):

@@ -1,8 +1,8 @@
-"""Tokenizers: a small interface, a SentencePiece implementation, and batch encoding.
+"""Tokenizers: a small interface and a SentencePiece implementation.
 
 The training loop only needs `encode`, `decode`, the special ids and `vocab_size`, so a
 pretrained model's tokenizer can replace the tiny one trained here by implementing
-`Tokenizer`.
+`Tokenizer`. Batches of text become padded id arrays in `gspo_jax.text`.
 
 The SentencePiece model is configured for exact round trips of short task texts
 (see shared/NOTES_JAX.md section 7):
@@ -34,11 +34,13 @@ PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 
 
 class Tokenizer(abc.ABC):
-  """Text <-> token ids. Implementations must keep pad, bos and eos out of `encode`."""
+  """Text <-> token ids."""
 
   @abc.abstractmethod
-  def encode(self, text: str) -> list[int]:
-    """Token ids of `text`, without bos or eos."""
+  def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+    """Token ids of `text`. Plain pieces by default (no bos / eos / pad); with
+    `add_special_tokens=True`, what transformers' `tokenizer.encode(text)` returns: the
+    tokens the tokenizer itself wraps a text in (e.g. bos first), `bos_id` among them."""
 
   @abc.abstractmethod
   def decode(self, ids: Sequence[int]) -> str:
@@ -55,7 +57,8 @@ class Tokenizer(abc.ABC):
 
   @property
   @abc.abstractmethod
-  def bos_id(self) -> int: ...
+  def bos_id(self) -> int | None:
+    """The id `encode(text, add_special_tokens=True)` starts with, or None when it adds none."""
 
   @property
   @abc.abstractmethod
@@ -70,7 +73,8 @@ class SentencePieceTokenizer(Tokenizer):
   """A SentencePiece model held in memory as its serialized proto.
 
   Special ids of models trained by `train`: pad 0, unk 1, bos 2, eos 3. These decode
-  to "" (pad, bos, eos) or " ⁇ " (unk) and are never produced by `encode`.
+  to "" (pad, bos, eos) or " ⁇ " (unk); `encode` produces none of them, except the bos
+  that `add_special_tokens=True` prepends.
   """
 
   def __init__(self, model_proto: bytes):
@@ -162,8 +166,9 @@ class SentencePieceTokenizer(Tokenizer):
 
   # --- the Tokenizer interface ----------------------------------------------------------
 
-  def encode(self, text: str) -> list[int]:
-    """Ids of `text`, no bos / eos. Guarantees decode(encode(text)) == text.
+  def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+    """Ids of `text`; bos first when `add_special_tokens` (never eos). Guarantees
+    decode(encode(text)) == text.
 
     Raises:
       ValueError: naming `text` when it holds characters outside the vocabulary (they
@@ -177,7 +182,7 @@ class SentencePieceTokenizer(Tokenizer):
     if self._sp.decode(ids) != text:
       raise ValueError(f"encode: text {text[:200]!r} does not round-trip through this tokenizer; "
                        f"characters outside its vocabulary: {self._unencodable(text)}")
-    return ids
+    return [self.bos_id] + ids if add_special_tokens else ids
 
   def decode(self, ids: Sequence[int]) -> str:
     """Text of `ids` (a list or 1-D integer array); pad, bos and eos decode to ""."""
@@ -231,53 +236,3 @@ class SentencePieceTokenizer(Tokenizer):
 
 def _not_int_at_least(value, low: int) -> bool:
   return isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low
-
-
-def encode_batch(tokenizer: Tokenizer, texts: Sequence[str], *, max_len: int,
-                 pad_right: bool = True, add_bos: bool = False,
-                 add_eos: bool = False) -> tuple[np.ndarray, np.ndarray]:
-  """Encodes `texts` into a fixed-width padded batch.
-
-  The width is always `max_len`, not the longest text, so batches of a training run share
-  one shape and a jitted step compiles once.
-
-  Args:
-    tokenizer: any `Tokenizer`.
-    texts: B non-empty strings.
-    max_len: P, the width; each text (with bos / eos if added) must fit.
-    pad_right: right padding (tokens at 0 .. len-1, the sampler's prompt layout) or left
-      padding (tokens end at P-1).
-    add_bos, add_eos: prepend bos / append eos to every row (counted in lens_B).
-  Returns:
-    ids_BxP: int32, pad_id outside the tokens; lens_B: int32 token counts.
-  Raises:
-    ValueError: naming `texts` for an empty batch, a non-str or empty text, or a text
-      longer than max_len; naming `max_len` when it is not a positive int.
-  """
-  fn = "encode_batch"
-  if _not_int_at_least(max_len, 1):
-    raise ValueError(f"{fn}: max_len must be an int >= 1; got {max_len!r}")
-  if isinstance(texts, str):
-    raise ValueError(f"{fn}: texts must be a sequence of str, not one str; wrap it as [text]")
-  texts = list(texts)
-  if not texts:
-    raise ValueError(f"{fn}: texts is empty; a batch needs at least one text")
-  ids_BxP = np.full((len(texts), max_len), tokenizer.pad_id, np.int32)
-  lens_B = np.zeros(len(texts), np.int32)
-  for i, text in enumerate(texts):
-    if not isinstance(text, str) or not text:
-      raise ValueError(f"{fn}: texts[{i}] must be a non-empty str; got {text!r}")
-    try:
-      ids = tokenizer.encode(text)
-    except ValueError as e:
-      raise ValueError(f"{fn}: texts[{i}] cannot be encoded: {e}") from e
-    ids = [tokenizer.bos_id] * add_bos + ids + [tokenizer.eos_id] * add_eos
-    if len(ids) > max_len:
-      raise ValueError(f"{fn}: texts[{i}] = {text[:200]!r} is {len(ids)} tokens, longer than "
-                       f"max_len = {max_len}")
-    if pad_right:
-      ids_BxP[i, :len(ids)] = ids
-    else:
-      ids_BxP[i, max_len - len(ids):] = ids
-    lens_B[i] = len(ids)
-  return ids_BxP, lens_B

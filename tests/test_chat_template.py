@@ -6,9 +6,10 @@ import json
 import jinja2
 import pytest
 
-from gspo_jax import chat
-from gspo_jax import train as T
-from gspo_jax.tasks import DataConfig, DatasetTask, Example
+from gspo_jax import chat, text
+from gspo_jax.config import TrainConfig
+from gspo_jax.run import with_chat_template
+from gspo_jax.tasks import DataConfig, DatasetTask
 
 # SmolLM2-135M-Instruct's template (tokenizer_config.json), ChatML with a default system turn.
 SMOLLM2 = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
@@ -34,22 +35,30 @@ def test_chatml_rendering_is_exact():
 class FakeTok:
   """Just what the renderer and encode_prompts read: ids are characters, "<s>" is BOS."""
   bos_id, eos_id, pad_id = 1, 2, 0
+  bos_token = "<s>"
   chat_template = LLAMA_LIKE
 
   def decode(self, ids):
     return {1: "<s>", 2: "</s>"}[ids[0]]
 
-  def encode(self, text):
-    return [1 if text.startswith("<s>", i) else 3 + ord(ch) % 50 for i, ch in enumerate(text)]
+  def encode(self, text, *, add_special_tokens=False):
+    ids = [self.bos_id] if add_special_tokens else []
+    while text:
+      n = 3 if text.startswith("<s>") else 1  # the BOS text is one token, as in tokenizers
+      ids.append(self.bos_id if n == 3 else 3 + ord(text[0]) % 50)
+      text = text[n:]
+    return ids
 
 
 def test_bos_is_not_doubled():
   tok = FakeTok()
-  render = chat.tokenizer_renderer(tok)
-  text = render("hi")
-  assert text == "[user] hi\n[assistant] "  # the template's BOS text is taken out again
-  ids, lens = T.encode_prompts(tok, [Example(prompt=text, answer="")], 32)
-  assert list(ids[0, :lens[0]]).count(tok.bos_id) == 1 and ids[0, 0] == tok.bos_id
+  rendered = chat.tokenizer_renderer(tok)("hi")
+  assert rendered == "<s>[user] hi\n[assistant] "  # as transformers renders it
+  # Encoded as apply_chat_template does (no special tokens added): the template's BOS only.
+  ids, lens = text.encode_prompts(tok, [rendered], 32, add_special_tokens=False)
+  assert ids[0, :lens[0]].tolist().count(tok.bos_id) == 1 and ids[0, 0] == tok.bos_id
+  doubled, _ = text.encode_prompts(tok, [rendered], 32)  # what add_special_tokens=True would do
+  assert doubled[0, :2].tolist() == [tok.bos_id, tok.bos_id]
 
 
 def test_templates_are_sandboxed_and_may_raise():
@@ -65,14 +74,14 @@ def test_applied_only_to_pretrained_dataset_prompts(tmp_path):
   task = DatasetTask(DataConfig(train_file=str(path)), ["exact_match"])
   tok = FakeTok()
   base = dict(task="dataset", reward=("exact_match",), pretrained="some/dir")
-  on = T.TrainConfig(data=DataConfig(train_file=str(path)), **base)
-  off = T.TrainConfig(data=DataConfig(train_file=str(path), chat_template=False), **base)
-  shown = T.with_chat_template(task, tok, on).train_batch(0, 0, 1)[0]
-  assert shown.prompt == "[user] 2+3?\n[assistant] " and shown.meta["prompt"] == "2+3?"
-  assert T.with_chat_template(task, tok, off).train_batch(0, 0, 1)[0].prompt == "2+3?"
+  on = TrainConfig(data=DataConfig(train_file=str(path)), **base)
+  off = TrainConfig(data=DataConfig(train_file=str(path), chat_template=False), **base)
+  shown = with_chat_template(task, tok, on).train_batch(0, 0, 1)[0]
+  assert shown.prompt == "<s>[user] 2+3?\n[assistant] " and shown.meta["prompt"] == "2+3?"
+  assert with_chat_template(task, tok, off).train_batch(0, 0, 1)[0].prompt == "2+3?"
   tok.chat_template = None
-  assert T.with_chat_template(task, tok, on) is task
+  assert with_chat_template(task, tok, on) is task
   # Rewards see the user's text, not the rendered prompt.
-  rendered = T.with_chat_template(task, FakeTok(), on)
+  rendered = with_chat_template(task, FakeTok(), on)
   r, correct, parts = rendered.score_batch(rendered.train_batch(0, 0, 1), ["5"])
   assert r.tolist() == [1.0] and correct.tolist() == [True]

@@ -35,7 +35,7 @@ def small_bpe(size):
   return tok
 
 
-def write_gguf(path, quantize_embedding=False):
+def write_gguf(path, quantize_embedding=False, add_bos=False):
   cfg = hf.read_config(LLAMA)
   ckpt = safetensors_io.Checkpoint(LLAMA)
   V, L = cfg["vocab_size"], cfg["num_hidden_layers"]
@@ -63,7 +63,7 @@ def write_gguf(path, quantize_embedding=False):
   w.add_bos_token_id(tokens.index("<|im_start|>"))
   w.add_eos_token_id(tokens.index("<|im_end|>"))
   w.add_pad_token_id(tokens.index("<|endoftext|>"))
-  w.add_add_bos_token(False)
+  w.add_add_bos_token(add_bos)
   w.add_chat_template("{{ messages }}")
   parts = {v: k for k, v in gguf_convert._LAYER.items()}
   for name in ckpt.names():
@@ -112,6 +112,16 @@ def test_gguf_converts_to_the_fixture_model_and_tokenizer(tmp_path):
   # Control tokens stay whole (not split into characters); digits are split one by one.
   assert ours.encode("<|im_start|>") == [tok.token_to_id("<|im_start|>")]
   assert len(ours.encode("42")) == 2
+
+
+def test_add_bos_token_becomes_the_tokenizers_own_bos(tmp_path):
+  # transformers ignores add_bos_token in tokenizer_config.json for a PreTrainedTokenizerFast:
+  # the converted tokenizer.json's post-processor must prepend the BOS itself.
+  tok = write_gguf(str(tmp_path / "tiny.gguf"), add_bos=True)
+  ours = load_tokenizer(gguf_convert.convert(str(tmp_path / "tiny.gguf"), str(tmp_path / "hf")))
+  bos = tok.token_to_id("<|im_start|>")
+  assert ours.bos_id == bos and ours.bos_token == "<|im_start|>"
+  assert ours.encode("the cat", add_special_tokens=True) == [bos] + ours.encode("the cat")
 
 
 def test_quantised_tensors_are_dequantised(tmp_path):

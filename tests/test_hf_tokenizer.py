@@ -8,9 +8,9 @@ import jax
 import numpy as np
 import pytest
 import tokenizers
-from tokenizers import models, pre_tokenizers, decoders, trainers
+from tokenizers import models, pre_tokenizers, decoders, processors, trainers
 
-from gspo_jax import generate, sampling
+from gspo_jax import generate, sampling, text
 from gspo_jax.hf_tokenizer import HFTokenizer, load_tokenizer
 from gspo_jax.models import config, hf, transformer
 from gspo_jax.tokenizer import SentencePieceTokenizer
@@ -75,9 +75,21 @@ def test_bad_tokenizer_directories(tmp_path):
   (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
   (tmp_path / "tokenizer_config.json").write_text("{}")
   assert HFTokenizer.load(tmp_path).eos_id == 2  # the first of several eos ids
+  # BOS comes from tokenizer.json's post-processor, never from add_bos_token (transformers 5
+  # drops the flag when a tokenizer.json exists; see tests/test_text.py for the recordings).
   (tmp_path / "tokenizer_config.json").write_text(json.dumps(
       {"eos_token": "<|im_end|>", "bos_token": "<|im_start|>", "add_bos_token": True}))
-  assert HFTokenizer.load(tmp_path).bos_id == 1  # prompts start with BOS only when asked
+  tok = HFTokenizer.load(tmp_path)
+  assert tok.bos_id is None and tok.bos_token == "<|im_start|>"
+  assert tok.encode("hello", add_special_tokens=True) == tok.encode("hello")
+  with_bos = byte_level_bpe()
+  with_bos.post_processor = processors.TemplateProcessing(
+      single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)])
+  with_bos.save(str(tmp_path / "tokenizer.json"))
+  tok = HFTokenizer.load(tmp_path)
+  assert tok.bos_id == 1 and tok.encode("hello", add_special_tokens=True)[0] == 1
+  again = HFTokenizer.load(os.path.dirname(tok.save(tmp_path / "copy")))  # kept by save
+  assert again.bos_id == 1 and again.bos_token == "<|im_start|>"
   (tmp_path / "tokenizer.json").write_text("{broken")
   with pytest.raises(ValueError, match="cannot be read as a tokenizer"):
     HFTokenizer.load(tmp_path)
@@ -89,16 +101,18 @@ def test_generate_command_matches_the_sampler(model_dir, capsys):
   lines = capsys.readouterr().out.splitlines()
   assert len(lines) == 2 and lines[0].startswith("hello") and lines[1].startswith("2 + 2 =")
   model, tok = hf.load(str(model_dir)), load_tokenizer(model_dir)
-  ids, lens = generate.encode(tok, ["hello", "2 + 2 ="])
+  ids, lens = text.encode_prompts(tok, ["hello", "2 + 2 ="])
+  assert ids[0, :lens[0]].tolist() == tok.encode("hello")  # no BOS here (Qwen-style)
   cfg = sampling.SamplerConfig(group_size=1, max_new_tokens=6, eos_id=tok.eos_id,
                                pad_id=tok.pad_id, max_prompt_len=ids.shape[1], greedy=True,
                                vocab_limit=tok.vocab_size)
   r = sampling.sample_groups(model, ids, lens, jax.random.key(0), cfg)
-  tokens = np.asarray(r.tokens_BxGxT)[0, 0][np.asarray(r.mask_BxGxT)[0, 0] > 0]
-  assert lines[0] == "hello" + tok.decode([t for t in tokens if t != tok.eos_id])
-  assert tokens.max() < tok.vocab_size  # ids of the padded vocabulary are never sampled
-  with pytest.raises(ValueError, match="encodes to no tokens"):
-    generate.encode(tok, [""])
+  tokens, mask = np.asarray(r.tokens_BxGxT)[:, 0], np.asarray(r.mask_BxGxT)[:, 0]
+  assert lines == [p + c for p, c in zip(["hello", "2 + 2 ="],
+                                         text.decode_completions(tok, tokens, mask))]
+  assert tokens[mask > 0].max() < tok.vocab_size  # ids of the padded vocabulary: never sampled
+  with pytest.raises(ValueError, match="prompt 0 .* encodes to no tokens"):
+    text.encode_prompts(tok, [""])
 
 
 def test_training_starts_from_a_pretrained_directory(model_dir, tmp_path):

@@ -1,10 +1,10 @@
-"""gspo_jax.tokenizer: exact round trips, special ids, digits, save/load, encode_batch."""
+"""gspo_jax.tokenizer: exact round trips, special ids, digits, save/load."""
 
 import numpy as np
 import pytest
 
 from gspo_jax.tasks import Addition, Multiplication
-from gspo_jax.tokenizer import SentencePieceTokenizer, Tokenizer, encode_batch
+from gspo_jax.tokenizer import SentencePieceTokenizer
 
 TASKS = [Addition(), Multiplication(), Addition(digits=3)]
 
@@ -50,6 +50,9 @@ def test_special_ids(tok):
   assert max(produced) < tok.vocab_size
   five = tok.encode("5")
   assert tok.decode([tok.bos_id] + five + [tok.eos_id, tok.pad_id, tok.pad_id]) == "5"
+  # Its own special tokens: a bos first (what prompts start with), never an eos.
+  assert tok.encode("5", add_special_tokens=True) == [tok.bos_id] + five
+  assert tok.encode("", add_special_tokens=True) == [tok.bos_id] and tok.encode("") == []
 
 
 def test_digits_are_single_tokens(tok):
@@ -124,55 +127,3 @@ def test_constructor_and_decode_errors(tok):
     tok.decode([[5]])
   assert tok.decode(np.array(tok.encode("12"), np.int32)) == "12"
   assert tok.decode([]) == ""
-
-
-def test_encode_batch(tok):
-  texts = ["1+2=", "37+85="]
-  ids, lens = encode_batch(tok, texts, max_len=8)
-  assert ids.dtype == np.int32 and lens.dtype == np.int32 and ids.shape == (2, 8)
-  np.testing.assert_array_equal(lens, [4, 6])
-  for row, n, text in zip(ids, lens, texts):
-    assert row[:n].tolist() == tok.encode(text) and np.all(row[n:] == tok.pad_id)
-
-  left, left_lens = encode_batch(tok, texts, max_len=8, pad_right=False, add_bos=True, add_eos=True)
-  np.testing.assert_array_equal(left_lens, [6, 8])
-  assert left[0].tolist() == [0, 0, 2] + tok.encode("1+2=") + [3]
-  assert left[1].tolist() == [2] + tok.encode("37+85=") + [3]
-
-
-def test_encode_batch_errors(tok):
-  with pytest.raises(ValueError, match=r"encode_batch: texts\[1\] must be a non-empty str"):
-    encode_batch(tok, ["1+2=", ""], max_len=8)
-  with pytest.raises(ValueError, match=r"encode_batch: texts\[0\] = '12345\+6789=' is 11 tokens, "
-                                       r"longer than max_len = 8"):
-    encode_batch(tok, ["12345+6789="], max_len=8)
-  with pytest.raises(ValueError, match=r"texts\[0\] = '1\+2=' is 6 tokens"):
-    encode_batch(tok, ["1+2="], max_len=5, add_bos=True, add_eos=True)
-  with pytest.raises(ValueError, match="encode_batch: texts is empty"):
-    encode_batch(tok, [], max_len=8)
-  with pytest.raises(ValueError, match="not one str"):
-    encode_batch(tok, "1+2=", max_len=8)
-  with pytest.raises(ValueError, match=r"texts\[0\] cannot be encoded"):
-    encode_batch(tok, ["x"], max_len=8)
-  with pytest.raises(ValueError, match="max_len must be an int >= 1"):
-    encode_batch(tok, ["1"], max_len=0)
-
-
-class _CharTokenizer(Tokenizer):
-  """The smallest replacement: what a pretrained model's tokenizer must provide."""
-  chars = "0123456789+*="
-  vocab_size, pad_id, bos_id, eos_id = 16, 0, 1, 2
-
-  def encode(self, text):
-    return [3 + self.chars.index(c) for c in text]
-
-  def decode(self, ids):
-    return "".join(self.chars[i - 3] for i in ids if i >= 3)
-
-  def save(self, directory):
-    return str(directory)
-
-
-def test_interface_is_replaceable():
-  ids, lens = encode_batch(_CharTokenizer(), ["1+2=", "3"], max_len=5, add_eos=True)
-  assert ids.tolist() == [[4, 13, 5, 15, 2], [6, 2, 0, 0, 0]] and lens.tolist() == [5, 2]

@@ -112,7 +112,7 @@ def convert(gguf_path: str, out_dir: str) -> str:
 
 def _write_tokenizer(reader, out_dir: str, source: str) -> None:
   import tokenizers
-  from tokenizers import decoders, models, pre_tokenizers
+  from tokenizers import decoders, models, pre_tokenizers, processors
   model = _field(reader, "tokenizer.ggml.model")
   if model != "gpt2":
     raise ValueError(f"{source}: tokenizer model {model!r} is not supported (only 'gpt2' BPE)")
@@ -129,13 +129,21 @@ def _write_tokenizer(reader, out_dir: str, source: str) -> None:
   tok.decoder = decoders.ByteLevel()
   tok.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False)
                           for t, kind in zip(tokens, types) if kind == 3])
-  tok.save(os.path.join(out_dir, "tokenizer.json"))
   token = lambda key: (None if _field(reader, key) is None else tokens[int(_field(reader, key))])
-  cfg = {"tokenizer_class": "PreTrainedTokenizerFast",
-         "bos_token": token("tokenizer.ggml.bos_token_id"),
-         "eos_token": token("tokenizer.ggml.eos_token_id"),
+  bos, eos = token("tokenizer.ggml.bos_token_id"), token("tokenizer.ggml.eos_token_id")
+  # llama.cpp adds BOS / EOS where these flags say. transformers (4 and 5) ignores
+  # add_bos_token in tokenizer_config.json for this class and applies tokenizer.json's
+  # post-processor, so that is where the flags go.
+  add_bos = bos is not None and bool(_field(reader, "tokenizer.ggml.add_bos_token", False))
+  add_eos = eos is not None and bool(_field(reader, "tokenizer.ggml.add_eos_token", False))
+  if add_bos or add_eos:
+    single = " ".join([f"{bos}:0"] * add_bos + ["$A:0"] + [f"{eos}:0"] * add_eos)
+    specials = {t: tokens.index(t) for t, on in ((bos, add_bos), (eos, add_eos)) if on}
+    tok.post_processor = processors.TemplateProcessing(single=single,
+                                                       special_tokens=list(specials.items()))
+  tok.save(os.path.join(out_dir, "tokenizer.json"))
+  cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": eos,
          "pad_token": token("tokenizer.ggml.padding_token_id"),
-         "add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
          "chat_template": _field(reader, "tokenizer.chat_template")}
   with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
     json.dump(cfg, f, indent=2)
