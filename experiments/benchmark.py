@@ -134,12 +134,12 @@ def _host_loop_sampler(model, cfg, style: str = "nnx"):
     out, valid, last = sampling.prompt_forward(model, prompts, lens)
     logits = jnp.broadcast_to(model.logits(last)[:, None],
                               (prompts.shape[0], cfg.group_size, model.cfg.vocab_size))
-    token, logp, _ = sampling._pick(logits, key, cfg)
+    token, logp, _ = sampling.pick_token(logits, key, cfg)
     return token, logp, KVCache.from_prefill(out, valid, cfg.group_size, cfg.max_new_tokens)
 
   def step(model, token, done, positions, cache, key):
     hidden, cache = model.decode(token, positions, cache)
-    token, logp, _ = sampling._pick(model.logits(hidden), key, cfg)
+    token, logp, _ = sampling.pick_token(model.logits(hidden), key, cfg)
     token = jnp.where(done, cfg.pad_id, token)  # same bookkeeping as the in-graph sampler
     return token, done | (token == cfg.eos_id), cache
 

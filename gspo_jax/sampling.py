@@ -95,7 +95,7 @@ class _LoopState:
   cache: KVCache
 
 
-def _filter_logits(logits_NxV: Array, cfg: SamplerConfig) -> Array:
+def filter_logits(logits_NxV: Array, cfg: SamplerConfig) -> Array:
   """Vocabulary limit, top-k and top-p (nucleus) filtering on already-tempered logits."""
   neg = jnp.finfo(logits_NxV.dtype).min
   V = logits_NxV.shape[-1]
@@ -130,12 +130,12 @@ def first_argmax(x: Array) -> Array:
   return jnp.minimum(first, V - 1)
 
 
-def _pick(logits_BxGxV: Array, key: Array, cfg: SamplerConfig) -> tuple[Array, Array, Array]:
+def pick_token(logits_BxGxV: Array, key: Array, cfg: SamplerConfig) -> tuple[Array, Array, Array]:
   """(token_BxG, logp_BxG, entropy_BxG) of the tempered, unfiltered distribution."""
   temp = 1.0 if cfg.greedy else cfg.temperature
   scaled = logits_BxGxV.astype(jnp.float32) / temp
   logp_all = jax.nn.log_softmax(scaled, axis=-1)
-  filtered = _filter_logits(scaled, cfg)
+  filtered = filter_logits(scaled, cfg)
   if cfg.greedy:
     token = first_argmax(filtered)
   else:  # = jax.random.categorical(key, filtered): the same Gumbel noise, the same tokens
@@ -172,7 +172,7 @@ def sample(graphdef, params, prompts_BxP, prompt_lens_B, key, *, cfg: SamplerCon
                      logp_BxGxT=jnp.zeros((B, G, T), jnp.float32),
                      entropy_BxGxT=jnp.zeros((B, G, T), jnp.float32),
                      cache=KVCache.from_prefill(out, valid_BxP, G, T))
-  state = _record(state, *_pick(logits_BxGxV, jax.random.fold_in(key, 0), cfg), cfg)
+  state = _record(state, *pick_token(logits_BxGxV, jax.random.fold_in(key, 0), cfg), cfg)
 
   def cond(s: _LoopState):
     return (s.t < T) & ~jnp.all(s.done_BxG)
@@ -181,7 +181,7 @@ def sample(graphdef, params, prompts_BxP, prompt_lens_B, key, *, cfg: SamplerCon
     # Token t-1 sits at position prompt_len + t - 1 and is written to cache slot t - 1.
     positions_BxG = jnp.broadcast_to(prompt_lens_B[:, None] + s.t - 1, (B, G))
     hidden_BxGxD, cache = model.decode(s.last_BxG, positions_BxG, s.cache)
-    picked = _pick(model.logits(hidden_BxGxD), jax.random.fold_in(key, s.t), cfg)
+    picked = pick_token(model.logits(hidden_BxGxD), jax.random.fold_in(key, s.t), cfg)
     return _record(s.replace(cache=cache), *picked, cfg)
 
   state = jax.lax.while_loop(cond, body, state)

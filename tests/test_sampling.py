@@ -149,7 +149,7 @@ def test_deterministic_per_key(model, prompts):
 def test_filters_hand_values():
   logits = jnp.log(jnp.asarray([[0.5, 0.2, 0.15, 0.1, 0.05]]))
   neg = jnp.finfo(jnp.float32).min
-  keep = lambda cfg: np.asarray(sampling._filter_logits(logits, cfg)[0] > neg)
+  keep = lambda cfg: np.asarray(sampling.filter_logits(logits, cfg)[0] > neg)
   c = dataclasses.replace(BASE, top_k=2)
   np.testing.assert_array_equal(keep(c), [1, 1, 0, 0, 0])
   # top_p = 0.8: masses before each token 0, .5, .7, .85 -> keep the first three.
@@ -169,7 +169,7 @@ def test_first_argmax_and_pick_equal_argmax_and_categorical():
   cfg = dataclasses.replace(BASE, temperature=0.7)
   for seed in range(5):
     key = jax.random.key(seed)
-    token, _, _ = sampling._pick(jnp.asarray(x), key, cfg)
+    token, _, _ = sampling.pick_token(jnp.asarray(x), key, cfg)
     np.testing.assert_array_equal(token, jax.random.categorical(key, jnp.asarray(x) / 0.7))
 
 
