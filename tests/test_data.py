@@ -14,6 +14,7 @@ from gspo_jax.tasks import dataset as D
 from gspo_jax import evaluate
 from gspo_jax import train as T
 from gspo_jax.models.config import tiny
+from gspo_jax import config as C
 
 
 def write_jsonl(path, records):
@@ -87,13 +88,13 @@ def test_config_errors_name_the_field(tmp_path):
   with pytest.raises(ValueError, match="data.heldout_file and data.heldout_fraction"):
     D.DataConfig(heldout_file="h.jsonl", heldout_fraction=0.1)
   with pytest.raises(ValueError, match="task='dataset' needs data.train_file"):
-    T.TrainConfig(task="dataset")
+    C.TrainConfig(task="dataset")
   with pytest.raises(ValueError, match="apply to task='dataset'"):
-    T.TrainConfig(reward=("exact_match",))
-  cfg = configlib.apply_overrides(T.TrainConfig(), [
+    C.TrainConfig(reward=("exact_match",))
+  cfg = configlib.apply_overrides(C.TrainConfig(), [
       "task=dataset", "data.train_file=x.jsonl", "reward=mod:f,path/r.py:g*0.5"])
   assert cfg.reward == ("mod:f", "path/r.py:g*0.5") and cfg.data.train_file == "x.jsonl"
-  assert configlib.from_dict(T.TrainConfig, configlib.to_dict(cfg)) == cfg
+  assert configlib.from_dict(C.TrainConfig, configlib.to_dict(cfg)) == cfg
 
 
 def test_a_field_the_reward_needs_is_checked_on_load(tmp_path):
@@ -131,11 +132,11 @@ def dataset_cfg(tmp_path, **kw):
                         heldout_file=write_jsonl(tmp_path / "held.jsonl", problems(50, 54))),
       reward=(f"{module}:correct", f"{module}:short*0.1"),
       model=tiny(vocab_size=24, hidden=32, mlp_dim=64, num_heads=2, num_kv_heads=1, head_dim=16),
-      rollout=T.RolloutConfig(prompts_per_iter=4, group_size=2, max_new_tokens=3, max_prompt_len=8),
-      sft=T.SFTConfig(steps=0), optim=T.OptimConfig(learning_rate=1e-3),
+      rollout=C.RolloutConfig(prompts_per_iter=4, group_size=2, max_new_tokens=3, max_prompt_len=8),
+      sft=C.SFTConfig(steps=0), optim=C.OptimConfig(learning_rate=1e-3),
       iterations=4, eval_every=0, eval_size=4, num_minibatches=2,
       mesh=sharding.MeshConfig(num_devices=1))
-  return T.TrainConfig(**{**base, **kw})
+  return C.TrainConfig(**{**base, **kw})
 
 
 def train_prompts(log_path, train_file):
@@ -227,4 +228,4 @@ def test_word_problem_example_data_reward_and_config(tmp_path):
   assert reward.brief(None, ["7", " 12.", "7 apples"]) == [1, 1, 0]
   cfg = configlib.load_config(os.path.join(root, "configs", "smollm2_word_problems.py"))
   assert cfg.task == "dataset" and cfg.reward[0].endswith("reward.py:correct")
-  assert configlib.from_dict(T.TrainConfig, configlib.to_dict(cfg)) == cfg
+  assert configlib.from_dict(C.TrainConfig, configlib.to_dict(cfg)) == cfg

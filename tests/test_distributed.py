@@ -3,6 +3,7 @@ devices, train a tiny config over one global mesh (data=2 across the processes x
 within each) through the real command line; the metrics and the final parameters equal a
 single-process, single-device run of the same config."""
 
+import dataclasses
 import json
 import os
 import socket
@@ -14,7 +15,9 @@ import numpy as np
 import pytest
 
 from gspo_jax import checkpoint, sharding
-from gspo_jax import train as T
+from gspo_jax import config as C
+from gspo_jax import run as R
+from gspo_jax import configlib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # One-digit addition after 20 SFT steps earns some reward (nonzero advantages and gradients).
@@ -61,8 +64,8 @@ def free_port() -> int:
 
 def final_params(run_dir):
   """The newest checkpoint's parameters, restored onto one device of this process."""
-  cfg = T.configlib.load_json(T.TrainConfig, os.path.join(run_dir, "config.json"))
-  run = T.setup(T.dataclasses.replace(cfg, mesh=sharding.MeshConfig(num_devices=1)), run_dir)
+  cfg = configlib.load_json(C.TrainConfig, os.path.join(run_dir, "config.json"))
+  run = R.setup(dataclasses.replace(cfg, mesh=sharding.MeshConfig(num_devices=1)), run_dir)
   ckpt = checkpoint.Checkpointer(os.path.join(run_dir, "checkpoints"), every=0, keep=1)
   try:
     return ckpt.latest_step(), ckpt.restore(run.state).params

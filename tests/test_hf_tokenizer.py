@@ -14,6 +14,9 @@ from gspo_jax import generate, sampling, text
 from gspo_jax.hf_tokenizer import HFTokenizer, load_tokenizer
 from gspo_jax.models import config, hf, transformer
 from gspo_jax.tokenizer import SentencePieceTokenizer
+from gspo_jax import config as C
+from gspo_jax import run as R
+from gspo_jax import configlib
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TEXTS = ["The capital of France is Paris.", "2 + 2 = 4", "hello world, hello again"] * 20
@@ -118,16 +121,16 @@ def test_generate_command_matches_the_sampler(model_dir, capsys):
 def test_training_starts_from_a_pretrained_directory(model_dir, tmp_path):
   from gspo_jax import sharding
   from gspo_jax import train as T
-  cfg = T.TrainConfig(
+  cfg = C.TrainConfig(
       pretrained=str(model_dir), model=config.tiny(vocab_size=32),  # replaced by the checkpoint's
-      rollout=T.RolloutConfig(prompts_per_iter=2, group_size=2, max_new_tokens=4,
+      rollout=C.RolloutConfig(prompts_per_iter=2, group_size=2, max_new_tokens=4,
                               max_prompt_len=8),
-      sft=T.SFTConfig(steps=2, batch_size=4), iterations=1, eval_every=0, eval_size=4,
+      sft=C.SFTConfig(steps=2, batch_size=4), iterations=1, eval_every=0, eval_size=4,
       num_minibatches=1, mesh=sharding.MeshConfig(num_devices=1))
   T.train(cfg, str(tmp_path / "run"), progress=False)
-  saved = T.configlib.load_json(T.TrainConfig, str(tmp_path / "run" / "config.json"))
+  saved = configlib.load_json(C.TrainConfig, str(tmp_path / "run" / "config.json"))
   assert saved.model == hf.load(str(model_dir)).cfg and saved.pretrained == str(model_dir)
   assert (tmp_path / "run" / "metrics.jsonl").read_text().count("\n") == 1
   assert not (tmp_path / "run" / "tokenizer.model").exists()  # the model's own tokenizer
-  run = T.load_run(str(tmp_path / "run"))
+  run = R.load_run(str(tmp_path / "run"))
   assert isinstance(run.tok, HFTokenizer) and int(run.state.step) == 1

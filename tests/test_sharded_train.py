@@ -13,44 +13,55 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from gspo_jax import sharding
-from gspo_jax import train as T
 from gspo_jax.models import config
 from gspo_jax.models.transformer import Transformer
+from gspo_jax import config as C
+from gspo_jax import programs
+from gspo_jax import run as R
+from gspo_jax.rollout import rollout_step
 
 ROWS = ("data", "fsdp")
 MESHES = {"data8": sharding.MeshConfig(data=8), "fsdp8": sharding.MeshConfig(data=1, fsdp=8),
           "2x2x2": sharding.MeshConfig(data=2, fsdp=2, tensor=2)}
 
 
-def small_cfg(mesh: sharding.MeshConfig) -> T.TrainConfig:
+def small_cfg(mesh: sharding.MeshConfig) -> C.TrainConfig:
   # Every sharded dimension divides by 8 (fsdp) or 2 (tensor); 8 prompts x 4 = 32 rows,
   # 2 minibatches of 16 rows.
-  return T.TrainConfig(
+  return C.TrainConfig(
       model=config.tiny(vocab_size=24, hidden=32, mlp_dim=64, num_heads=2, num_kv_heads=2,
                         head_dim=16),
-      rollout=T.RolloutConfig(prompts_per_iter=8, group_size=4, max_new_tokens=4,
+      rollout=C.RolloutConfig(prompts_per_iter=8, group_size=4, max_new_tokens=4,
                               max_prompt_len=8),
-      sft=T.SFTConfig(steps=0), optim=T.OptimConfig(learning_rate=1e-3), num_minibatches=2,
+      sft=C.SFTConfig(steps=0), optim=C.OptimConfig(learning_rate=1e-3), num_minibatches=2,
       kl_coef=0.05, mesh=mesh)
 
 
+def random_rewards(rows: int, group: int):
+  """The untrained policy earns reward 0 everywhere: random rewards give the update a
+  gradient (advantages are normalised from them inside the update)."""
+  return np.random.default_rng(0).normal(size=(rows, group)).astype(np.float32)
+
+
 def one_step(run):
-  """Rollout -> prepare (pi_old, pi_ref, advantages) -> update. Random advantages replace
-  the untrained policy's all-zero ones so the update has a gradient."""
-  batch, stats = T.rollout_step(run, run.state, ref_params=jax.tree.map(jnp.copy, run.state.params))
-  adv = np.random.default_rng(0).normal(size=batch.adv_R.shape).astype(np.float32)
+  """Rollout -> prepare (pi_old, pi_ref) -> update (advantages inside)."""
+  r = rollout_step(run, run.state.params, run.state.key, 0,
+                   ref_params=jax.tree.map(jnp.copy, run.state.params))
+  rewards = sharding.feed(random_rewards(*r.rewards_BxG.shape), run.layout.mesh,
+                          r.rewards_BxG.shape[0])
   rollout = sample(run)
-  state, metrics = run.programs.update(jax.tree.map(jnp.copy, run.state),
-                                       batch.replace(adv_R=jnp.asarray(adv)))
-  return rollout, batch, state, metrics, stats
+  state, metrics = run.programs.update(jax.tree.map(jnp.copy, run.state), r.batch, rewards)
+  return rollout, r.batch, state, metrics, r.stats
 
 
 def sample(run):
+  """The run's own sampler program (shardings as the run declares them) on fixed prompts."""
   prompts = np.asarray(jax.random.randint(jax.random.key(3), (8, 8), 3, 20), np.int32)
   lens = np.arange(8, dtype=np.int32) % 7 + 1
-  model = nnx.merge(run.graphdef, run.state.params)
-  return T.sampling.sample_groups(model, prompts, lens, jax.random.key(4),
-                                  T.sampler_config(run.tok, run.cfg), mesh=run.layout.mesh)
+  mesh = run.layout.mesh
+  sampler = run.programs.sampler(programs.sampler_configs(run.tok, run.cfg)[0])
+  return sampler(run.state.params, sharding.feed(prompts, mesh, 8), sharding.feed(lens, mesh, 8),
+                 jax.random.key(4))
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +71,7 @@ def run_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(run_dir):
-  run = T.setup(small_cfg(sharding.MeshConfig(num_devices=1)), run_dir)
+  run = R.setup(small_cfg(sharding.MeshConfig(num_devices=1)), run_dir)
   return run, one_step(run)
 
 
@@ -78,7 +89,7 @@ def assert_trees_close(got, want, rtol=1e-5, atol=1e-6):
 @pytest.mark.parametrize("mesh_name", list(MESHES))
 def test_train_step_and_sampler_equal_single_device(reference, run_dir, mesh_name):
   ref_run, (ref_rollout, ref_batch, ref_state, ref_metrics, ref_stats) = reference
-  run = T.setup(small_cfg(MESHES[mesh_name]), run_dir)
+  run = R.setup(small_cfg(MESHES[mesh_name]), run_dir)
   mesh = run.layout.mesh
   assert mesh.devices.size == 8
   rollout, batch, state, metrics, stats = one_step(run)
@@ -90,8 +101,8 @@ def test_train_step_and_sampler_equal_single_device(reference, run_dir, mesh_nam
   np.testing.assert_array_equal(host(rollout.mask_BxGxT), host(ref_rollout.mask_BxGxT))
   np.testing.assert_allclose(host(rollout.logp_BxGxT), host(ref_rollout.logp_BxGxT), atol=2e-5)
   # The rollout phase of training (its own prompts) and the prepared batch.
-  np.testing.assert_array_equal(host(batch.tokens_RxT), host(ref_batch.tokens_RxT))
-  for name in ("old_logp_RxT", "ref_logp_RxT", "adv_R", "mask_RxT"):
+  np.testing.assert_array_equal(host(batch.tokens_BxGxT), host(ref_batch.tokens_BxGxT))
+  for name in ("old_logp_BxGxT", "ref_logp_BxGxT", "mask_BxGxT"):
     np.testing.assert_allclose(host(getattr(batch, name)), host(getattr(ref_batch, name)),
                                atol=2e-5, err_msg=name)
   assert stats["reward_mean"] == ref_stats["reward_mean"]
@@ -113,9 +124,9 @@ def test_train_step_and_sampler_equal_single_device(reference, run_dir, mesh_nam
   mu = state.opt_state[1].inner_state[0].mu
   for var, m in zip(jax.tree.leaves(state.params, is_leaf=is_var), jax.tree.leaves(mu, is_leaf=is_var)):
     assert m[...].sharding.spec == var[...].sharding.spec
-  for x in (rollout.tokens_BxGxT, rollout.logp_BxGxT, batch.tokens_RxT, batch.old_logp_RxT):
+  for x in (rollout.tokens_BxGxT, rollout.logp_BxGxT, batch.tokens_BxGxT, batch.old_logp_BxGxT,
+            batch.prompts_BxP, batch.prompt_lens_B):
     assert x.sharding.spec == P(ROWS, *([None] * (x.ndim - 1)))
-  assert batch.adv_R.sharding.spec == P(ROWS)
   assert all(m.sharding.is_fully_replicated for m in metrics.values())
   if mesh_name == "fsdp8":  # the residual width really is split 8 ways on every device
     q = state.params["layers"][0]["attn"]["q"][...]
@@ -125,15 +136,15 @@ def test_train_step_and_sampler_equal_single_device(reference, run_dir, mesh_nam
 
 def test_indivisible_batch_is_a_clear_error(run_dir):
   cfg = dataclasses.replace(small_cfg(MESHES["data8"]),
-                            rollout=T.RolloutConfig(prompts_per_iter=4, group_size=4))
+                            rollout=C.RolloutConfig(prompts_per_iter=4, group_size=4))
   with pytest.raises(ValueError, match=r"rollout.prompts_per_iter = 4 is not divisible"):
-    T.setup(cfg, run_dir)
+    R.setup(cfg, run_dir)
   cfg = dataclasses.replace(small_cfg(MESHES["data8"]), num_minibatches=8)
   with pytest.raises(ValueError, match=r"rows per minibatch .* = 4 is not divisible"):
-    T.setup(cfg, run_dir)
+    R.setup(cfg, run_dir)
   cfg = dataclasses.replace(small_cfg(MESHES["2x2x2"]), model=config.tiny(num_kv_heads=1))
   with pytest.raises(ValueError, match="model.num_kv_heads = 1"):
-    T.setup(cfg, run_dir)
+    R.setup(cfg, run_dir)
 
 
 def test_model_too_large_for_one_device_initialises_sharded():

@@ -10,8 +10,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gspo_jax import sampling
 from gspo_jax.models import config, transformer
+from gspo_jax import config as C
+from gspo_jax import run as R
+from gspo_jax import step
+from gspo_jax import teacher_forcing
 
 B, P, G, T = 3, 6, 4, 5
 
@@ -31,14 +34,22 @@ def batch():
   return jnp.asarray(prompts), jnp.asarray(lens), jnp.asarray(tokens)
 
 
+def test_unshared_flag_is_the_concatenated_rows(batch):
+  model = transformer.create(config.tiny(vocab_size=64, hidden=32, mlp_dim=64, num_heads=2,
+                                         num_kv_heads=1, head_dim=16), seed=0)
+  flag, _ = teacher_forcing.response_logprobs(model, *batch, share_prompts=False)
+  plain, _ = teacher_forcing.response_logprobs(model, *rows(*batch))
+  np.testing.assert_array_equal(np.asarray(flag).reshape(B * G, T), np.asarray(plain)[:, 0])
+
+
 def both(model, batch, replay=None):
   """(shared, unshared) log-probs and router infos of one jitted program."""
   @nnx.jit
   def run(model, prompts, lens, tokens):
-    shared = sampling.response_logprobs(model, prompts, lens, tokens, temperature=0.8,
-                                        replay=replay)
-    plain = sampling.response_logprobs(model, *rows(prompts, lens, tokens), temperature=0.8,
-                                       replay=replay)
+    shared = teacher_forcing.response_logprobs(model, prompts, lens, tokens, temperature=0.8,
+                                               replay=replay)
+    plain = teacher_forcing.response_logprobs(model, *rows(prompts, lens, tokens),
+                                              temperature=0.8, replay=replay)
     return shared, plain
   return run(model, *batch)
 
@@ -75,7 +86,7 @@ def test_gradients_equal_and_replay_is_honoured(batch):
   def loss(params, shared):
     m = nnx.merge(graphdef, params)
     prompts, lens, tokens = batch if shared else rows(*batch)
-    logp, router = sampling.response_logprobs(m, prompts, lens, tokens, replay=replay)
+    logp, router = teacher_forcing.response_logprobs(m, prompts, lens, tokens, replay=replay)
     return jnp.sum(logp.reshape(B, G, T) * weights), router
 
   (v1, r1), g1 = jax.jit(jax.value_and_grad(lambda p: loss(p, True), has_aux=True))(params)
@@ -92,20 +103,18 @@ def test_gradients_equal_and_replay_is_honoured(batch):
 
 
 def test_minibatch_order_keeps_groups_whole():
-  from gspo_jax import train as T
-  order = np.asarray(T.minibatch_order(jax.random.key(0), 32, 4))
+  order = np.asarray(step.minibatch_order(jax.random.key(0), 32, 4))
   assert sorted(order) == list(range(32))
   for mb in order.reshape(2, 16):
     assert sorted(set(mb // 4)) == sorted(mb[::4] // 4) and len(set(mb // 4)) == 4
   # group = 1 is the row shuffle the unshared update always used.
-  np.testing.assert_array_equal(T.minibatch_order(jax.random.key(0), 32, 1),
+  np.testing.assert_array_equal(step.minibatch_order(jax.random.key(0), 32, 1),
                                 jax.random.permutation(jax.random.key(0), 32))
 
 
 def test_share_prompts_needs_whole_groups_per_minibatch():
-  from gspo_jax import train as T
   with pytest.raises(ValueError, match="share_prompts=True keeps groups whole"):
-    T.TrainConfig(rollout=T.RolloutConfig(prompts_per_iter=3, group_size=4), num_minibatches=2,
+    C.TrainConfig(rollout=C.RolloutConfig(prompts_per_iter=3, group_size=4), num_minibatches=2,
                   share_prompts=True)
 
 
@@ -114,24 +123,25 @@ def test_training_step_with_shared_prompts_equals_unshared_and_sharded(tmp_path)
   minibatch, so both see the same rows) on one device and on 8 (data=8: a group's rows
   span two devices)."""
   from gspo_jax import sharding
-  from gspo_jax import train as T
-  from tests.test_sharded_train import host, small_cfg
+  from gspo_jax.rollout import rollout_step
+  from tests.test_sharded_train import host, random_rewards, small_cfg
 
-  def step(mesh, share):
+  def one_step(mesh, share):
     cfg = dataclasses.replace(small_cfg(mesh), num_minibatches=1, share_prompts=share)
-    run = T.setup(cfg, str(tmp_path))
-    batch, _ = T.rollout_step(run, run.state, ref_params=jax.tree.map(jnp.copy, run.state.params))
-    adv = np.random.default_rng(0).normal(size=batch.adv_R.shape).astype(np.float32)
-    state, metrics = run.programs.update(jax.tree.map(jnp.copy, run.state),
-                                         batch.replace(adv_R=jnp.asarray(adv)))
-    return batch, state, metrics
+    run = R.setup(cfg, str(tmp_path))
+    r = rollout_step(run, run.state.params, run.state.key, 0,
+                     ref_params=jax.tree.map(jnp.copy, run.state.params))
+    B, G = r.rewards_BxG.shape
+    rewards = sharding.feed(random_rewards(B, G), run.layout.mesh, B)
+    state, metrics = run.programs.update(jax.tree.map(jnp.copy, run.state), r.batch, rewards)
+    return r.batch, state, metrics
 
   one = sharding.MeshConfig(num_devices=1)
-  ref_batch, ref_state, ref_metrics = step(one, False)
+  ref_batch, ref_state, ref_metrics = one_step(one, False)
   for mesh in (one, sharding.MeshConfig(data=8)):
-    batch, state, metrics = step(mesh, True)
-    np.testing.assert_array_equal(host(batch.tokens_RxT), host(ref_batch.tokens_RxT))
-    for name in ("old_logp_RxT", "ref_logp_RxT"):
+    batch, state, metrics = one_step(mesh, True)
+    np.testing.assert_array_equal(host(batch.tokens_BxGxT), host(ref_batch.tokens_BxGxT))
+    for name in ("old_logp_BxGxT", "ref_logp_BxGxT"):
       np.testing.assert_allclose(host(getattr(batch, name)), host(getattr(ref_batch, name)),
                                  atol=2e-5, err_msg=name)
     for k in ("loss", "grad_norm", "kl", "clip_frac_token"):
