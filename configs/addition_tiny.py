@@ -3,14 +3,17 @@
 Cold start (supervised, to partial accuracy), then GSPO with the paper's settings: clip
 range (3e-4, 4e-4), 4 minibatches per rollout batch, group-normalised rewards, no KL.
     python -m gspo_jax.train --config configs/addition_tiny.py
+    python -m gspo_jax.train --config configs/addition_tiny.py:smoke --run-dir runs/smoke
 """
+
+import dataclasses
 
 from gspo_jax.config import OptimConfig, RolloutConfig, SFTConfig, TrainConfig
 from gspo_jax.models.config import tiny
 
 
-def get_config() -> TrainConfig:
-  return TrainConfig(
+def get_config(arg: str | None = None) -> TrainConfig:
+  cfg = TrainConfig(
       task="addition",
       task_digits=2,
       model=tiny(vocab_size=32, hidden=128, mlp_dim=256, num_heads=4, num_kv_heads=2,
@@ -32,3 +35,18 @@ def get_config() -> TrainConfig:
       eval_size=512,
       seed=0,
   )
+  if arg == "smoke":
+    # Does every phase still run (tokenizer, cold start, rollout, update, evaluation,
+    # checkpoint)? The same job shrunk to two iterations; it learns nothing. About a minute
+    # on a 2-core CPU, mostly compiling (15 s under the tests' fast-compile XLA flags). Its
+    # batches (8 prompts, 16 rows per minibatch) divide over 1, 2, 4 or 8 devices.
+    return dataclasses.replace(
+        cfg,
+        model=tiny(vocab_size=32, hidden=32, mlp_dim=64, num_heads=2, num_kv_heads=1,
+                   head_dim=16),
+        rollout=dataclasses.replace(cfg.rollout, prompts_per_iter=8, group_size=4),
+        sft=SFTConfig(steps=2, batch_size=8, target_accuracy=0.0),
+        num_minibatches=2, iterations=2, eval_every=0, eval_size=16)
+  if arg is not None:
+    raise ValueError(f"unknown variant {arg!r} (this file has: smoke)")
+  return cfg

