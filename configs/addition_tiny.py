@@ -1,4 +1,4 @@
-"""The README's main job: 2-digit addition, a 0.3M-parameter Qwen3-style model on CPU.
+"""The main job (README.md): 2-digit addition, a 0.3M-parameter Qwen3-style model on CPU.
 
 Cold start (supervised, to partial accuracy), then GSPO with the paper's settings: clip
 range (3e-4, 4e-4), 4 minibatches per rollout batch, group-normalised rewards, no KL.

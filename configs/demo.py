@@ -1,4 +1,4 @@
-"""The README's main job: a small GSPO run on CPU (`python -m gspo_jax.demo --config configs/demo.py`).
+"""The tabular stand-in: a small GSPO run on CPU (`python -m gspo_jax.demo --config configs/demo.py`).
 
 Paper settings where they apply: GSPO clip range (3e-4, 4e-4), each rollout batch split
 into 4 minibatches, G responses per prompt with group-normalised rewards, no KL.

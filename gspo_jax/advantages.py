@@ -27,7 +27,7 @@ def _raise_on_nan(fn: str, rewards) -> None:
 def group_advantages(rewards_BxG: Array, *, eps: float = 1e-6, scale_by_std: bool = True) -> Array:
   """A_ij = (r_ij - mean_j r_ij) / (std_j r_ij + eps), std with ddof = 1 (Bessel).
 
-  Choices (see GSPO_SPEC section 2): ddof = 1 and eps = 1e-6 as verl, tunix and SkyRL
+  Choices (docs/losses.md): ddof = 1 and eps = 1e-6 as verl, tunix and SkyRL
   (TRL uses eps = 1e-4). A group whose rewards are all equal gets exactly 0 (not the
   rounding residue of r - mean). `scale_by_std=False` is the Dr. GRPO variant r - mean.
 

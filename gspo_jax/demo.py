@@ -1,7 +1,8 @@
 """A small GSPO run on CPU that visibly learns, built only from the loss library.
 
-This is the main job until the transformer and training loop land (issues 3 and 4).
-The policy is tabular: for each prompt p and position t it holds logits over 10 digits
+It lives in the package, not in experiments/, because it is the smallest complete example
+of composing the public loss API into a training loop of your own, and it runs from an
+installed package (`python -m gspo_jax.demo`) in about ten seconds. The policy is tabular: for each prompt p and position t it holds logits over 10 digits
 and an end-of-sequence token, so pi(y | p) = prod_t softmax(theta[p, t])[y_t] up to the
 first EOS. The task is verifiable: prompt p must be answered with its own hidden digit
 string followed by EOS. Reward = fraction of the L + 1 target positions (digits and the

@@ -59,7 +59,7 @@ def row_lengths(mask_BxT: Array, dtype=jnp.float32) -> Array:
 
 
 def token_log_ratio(logp_BxT: Array, old_logp_BxT: Array, mask_BxT: Array) -> Array:
-  """Masked token log-ratio l_it (GSPO_SPEC section 1; w_it = exp(l_it) is the token ratio
+  """Masked token log-ratio l_it (w_it = exp(l_it) is the token ratio
   of GRPO, paper Eq. 2):
 
     l_it = m_it (log pi_theta(y_it) - sg[log pi_old(y_it)])
@@ -171,8 +171,8 @@ def clipped_surrogate(log_ratio: Array, adv: Array, *, eps_low, eps_high) -> Sur
 
 def aggregate(x: Array, mask_BxT: Array, *, mode: str = "seq-mean-token-mean",
               token_sum_norm: float | None = None) -> Array:
-  """Reduce per-token values x_BxT, or per-sequence values x_B, to a scalar (GSPO_SPEC
-  section 8). A per-sequence x_B stands for x_it = x_i on every counted token of row i.
+  """Reduce per-token values x_BxT, or per-sequence values x_B, to a scalar (docs/losses.md,
+  Aggregation). A per-sequence x_B stands for x_it = x_i on every counted token of row i.
 
     "seq-mean-token-mean"     (1/N) sum_i (1/n_i) sum_t m x      (paper: GRPO Eq. 2, GSPO
                               Eq. 5 (where it is (1/N) sum_i x_i), GSPO-token Eq. 13)

@@ -119,8 +119,7 @@ def first_argmax(x: Array) -> Array:
   """jnp.argmax over the last axis (ties: the first index), as two plain reductions.
 
   XLA:CPU runs argmax's (value, index) pair reduction element by element; max followed by
-  the smallest index attaining it vectorises, and picking the token was 1.9x cheaper
-  (Gumbel noise and log-softmax included) at vocabularies 2,048 and 151,936.
+  the smallest index attaining it vectorises (`benchmark.py sampler` measures the pick).
   A row containing NaN yields index V - 1 (argmax would point at the NaN).
   """
   V = x.shape[-1]

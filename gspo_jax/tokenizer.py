@@ -4,8 +4,7 @@ The training loop only needs `encode`, `decode`, the special ids and `vocab_size
 pretrained model's tokenizer can replace the tiny one trained here by implementing
 `Tokenizer`. Batches of text become padded id arrays in `gspo_jax.text`.
 
-The SentencePiece model is configured for exact round trips of short task texts
-(see shared/NOTES_JAX.md section 7):
+The SentencePiece model is configured for exact round trips of short task texts:
   * whitespace kept as is: add_dummy_prefix=False, remove_extra_whitespaces=False;
   * normalization_rule_name="identity": the default NFKC rule silently rewrites text
     (a tab becomes a space, "１２" becomes "12"), so decode(encode(t)) != t;

@@ -9,7 +9,7 @@ One iteration (each device phase one compiled program, `gspo_jax.programs`):
 
 The loop keeps the step counter on the host and fetches each iteration's metrics one
 iteration late, so the host never waits for an update it does not need yet: the next
-rollout's sampler is queued behind it. Module map: README.md.
+rollout's sampler is queued behind it. The module map is in README.md.
 """
 
 from __future__ import annotations
@@ -167,7 +167,7 @@ def main(argv=None):
   parser.add_argument("--checkpoint-every", type=int, default=10, help="iterations between saves")
   parser.add_argument("--keep-checkpoints", type=int, default=3, help="newest checkpoints kept")
   parser.add_argument("--no-progress", action="store_true")
-  dist = parser.add_argument_group("multi-host (see README: Running on Cloud TPU)")
+  dist = parser.add_argument_group("multi-host (see docs/sharding_and_tpu.md)")
   dist.add_argument("--distributed", action="store_true",
                     help="jax.distributed.initialize() with auto-detection (Cloud TPU pods)")
   dist.add_argument("--coordinator-address", default=None, help="host:port of process 0")

@@ -1,4 +1,4 @@
-"""gspo_jax.losses: hand-derived numbers, the identities of GSPO_SPEC section 11, padding,
+"""gspo_jax.losses: hand-derived numbers, the identities a correct GSPO satisfies, padding,
 edge cases and bad input; the losses rebuilt from the public blocks; the KL term.
 Every numeric test runs in float32 and float64 (`dtype`).
 

@@ -91,7 +91,7 @@ def attend(q_BxGxSxNxH: Array, *, shared: Segment | None = None,
       (decoding, S = 1) the own segment is then read by multiply-and-reduce instead of a
       batched matmul: per step that is a matrix-vector product, memory-bound on every
       backend, and XLA:CPU ran it as a (K x H) @ (H x R) matmul at a fraction of the
-      speed (see the README's sampler benchmark).
+      speed (`benchmark.py sampler` measures decoding).
   Returns:
     o_BxGxSxNxH in the query dtype.
   """

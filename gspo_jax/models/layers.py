@@ -67,7 +67,7 @@ class MLP(nnx.Module):
   def __call__(self, x_BxSxD: Array) -> Array:
     # As 2-D matmuls over the flattened tokens: with the 3-D einsums, XLA:CPU's backward
     # wrote the (mlp x tokens) activation gradients transposed inside elementwise fusions,
-    # and the MLP's forward + backward took 2.2x as long (same values; README, Performance).
+    # and the MLP's forward + backward took about twice as long (same values).
     x = x_BxSxD.astype(self.dtype).reshape(-1, x_BxSxD.shape[-1])
     g = x @ self.gate[...].astype(self.dtype)
     u = x @ self.up[...].astype(self.dtype)
