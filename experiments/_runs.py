@@ -1,6 +1,11 @@
 """What the training experiments share: run one (variant, seed), load finished runs, summarise
 and plot their metrics. A run directory is <out>/runs/<variant>_seed<k>/ (metrics.jsonl,
-summary.json); one whose summary.json is missing was interrupted and starts again."""
+summary.json); one whose summary.json is missing was interrupted and starts again.
+
+Training seconds are the loop's own `time_iteration` (`gspo_jax.train.iterate`): the wall
+time from one iteration to the next, with the device phases overlapping as they do in a
+run, and the held-out evaluations and checkpoints the loop runs between iterations
+included (the same for every variant of an experiment)."""
 
 from __future__ import annotations
 
@@ -12,13 +17,15 @@ import shutil
 import numpy as np
 
 from experiments import _plots
-from gspo_jax import train as T
+from gspo_jax import train
+from gspo_jax.config import TrainConfig
 
-PHASES = ("time_sample", "time_score", "time_old_logp", "time_update")
+# What one iteration's metrics row says it took (the loop writes it for every iteration).
+TIME = "time_iteration"
 COLOURS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")
 
 
-def cold_start(out: str, seed: int, cfg: T.TrainConfig) -> str:
+def cold_start(out: str, seed: int, cfg: TrainConfig) -> str:
   """The cold-started policy of `seed`, made once per experiment directory and shared by its
   variants (which must differ only in RL settings): a run of 0 RL iterations whose step-0
   checkpoint (with its tokenizer) each variant resumes from. The cold start is deterministic
@@ -28,13 +35,13 @@ def cold_start(out: str, seed: int, cfg: T.TrainConfig) -> str:
   if not os.path.exists(done):
     if os.path.isdir(run_dir):
       shutil.rmtree(run_dir)
-    T.train(dataclasses.replace(cfg, iterations=0), run_dir, progress=False, checkpoint_every=0,
-            keep=1)
+    train.train(dataclasses.replace(cfg, iterations=0), run_dir, progress=False,
+                checkpoint_every=0, keep=1)
     open(done, "w").close()
   return run_dir
 
 
-def run_one(out: str, name: str, seed: int, cfg: T.TrainConfig) -> str:
+def run_one(out: str, name: str, seed: int, cfg: TrainConfig) -> str:
   run_dir = os.path.join(out, "runs", f"{name}_seed{seed}")
   if os.path.exists(os.path.join(run_dir, "summary.json")):
     print(f"{run_dir}: done already")
@@ -45,7 +52,7 @@ def run_one(out: str, name: str, seed: int, cfg: T.TrainConfig) -> str:
   os.makedirs(run_dir)
   shutil.copytree(os.path.join(start, "checkpoints"), os.path.join(run_dir, "checkpoints"))
   shutil.copy(os.path.join(start, "tokenizer.model"), run_dir)
-  summary = T.train(cfg, run_dir, resume=True, progress=False, checkpoint_every=0, keep=1)
+  summary = train.train(cfg, run_dir, resume=True, progress=False, checkpoint_every=0, keep=1)
   with open(os.path.join(run_dir, "summary.json"), "w") as f:
     json.dump({k: v for k, v in summary.items() if k != "last"}, f, indent=2)
   return run_dir
@@ -82,8 +89,7 @@ def summarise(items: list[dict], mean_keys=("clip_frac_token", "clip_frac_seq"))
          "heldout_gain_mean": float(np.mean(np.subtract(end, start))),
          "heldout_gain_std": float(np.std(np.subtract(end, start))),
          "reward_last50": last("reward_mean"),
-         "train_seconds": [float(sum(sum(r[p] for p in PHASES) for r in it["rows"]))
-                           for it in items]}
+         "train_seconds": [float(sum(r[TIME] for r in it["rows"])) for it in items]}
   for key in mean_keys:  # None: the metric was not logged (e.g. routing_changed under replay)
     vals = [[r[key] for r in it["rows"] if key in r] for it in items]
     out[f"{key}_mean"] = [float(np.mean(v)) if v else None for v in vals]
@@ -107,12 +113,12 @@ def plot_curves(runs: dict[str, list[dict]], out: str, name: str, key: str, ylab
         steps = steps[smooth - 1:]
       xs = steps
       if x == "time":
-        xs = np.cumsum([sum(r[p] for p in PHASES) for r in it["rows"]])[steps - 1]
+        xs = np.cumsum([r[TIME] for r in it["rows"]])[steps - 1]
       ax.plot(xs, np.maximum(ys, floor) if floor else ys, color=colours.get(variant), alpha=0.8,
               label=variant.upper().replace("_", " ") if i == 0 else None)
   if log:
     ax.set_yscale("log")
-  ax.set_xlabel("training seconds (sample+score+old log-probs+update)" if x == "time" else
+  ax.set_xlabel("training seconds (wall time of the loop's iterations)" if x == "time" else
                 "iteration")
   ax.set_ylabel(ylabel)
   return _plots.save(fig, ax, out, name)

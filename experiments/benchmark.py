@@ -6,7 +6,7 @@
     python experiments/benchmark.py logprobs   # lean vs plain token log-probs: memory, time
     python experiments/benchmark.py sampler    # in-graph group sampler vs a host-driven loop
     python experiments/benchmark.py prefix     # update step with / without prompt sharing
-    python experiments/benchmark.py iteration  # one GSPO iteration, phase by phase
+    python experiments/benchmark.py iteration  # one GSPO iteration: the loop, by phase, fused
     python experiments/benchmark.py compile    # compile time vs number of layers
 
 `all` writes benchmark_all.json (every record at its quick size, see QUICK); a subcommand
@@ -31,9 +31,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gspo_jax.logprobs import token_logprobs, token_logprobs_from_hidden
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # the gspo_jax of this checkout, as the other experiments
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+from gspo_jax.logprobs import token_logprobs, token_logprobs_from_hidden  # noqa: E402
+
+RESULTS = os.path.join(ROOT, "experiments", "results")
 
 
 def machine() -> dict:
@@ -129,9 +132,10 @@ def _host_loop_sampler(model, cfg, style: str = "nnx"):
 
   from gspo_jax import sampling
   from gspo_jax.models.transformer import KVCache
+  from gspo_jax.teacher_forcing import prompt_forward
 
   def prefill(model, prompts, lens, key):
-    out, valid, last = sampling.prompt_forward(model, prompts, lens)
+    out, valid, last = prompt_forward(model, prompts, lens)
     logits = jnp.broadcast_to(model.logits(last)[:, None],
                               (prompts.shape[0], cfg.group_size, model.cfg.vocab_size))
     token, logp, _ = sampling.pick_token(logits, key, cfg)
@@ -254,7 +258,7 @@ def update_flops(mcfg, rows: int, prompt_len: int, new_tokens: int) -> dict:
   """Model FLOPs of one GSPO update step (forward + backward) on R rows of S = P + T tokens.
 
   The update recomputes teacher-forced log-probs over every row's prompt and response
-  (`sampling.response_logprobs`), so the forward pass runs on all S positions, and the
+  (`teacher_forcing.response_logprobs`), so the forward pass runs on all S positions, and the
   unembedding only on the T response positions (the lean log-prob path). Per layer, with
   D hidden, N query heads, C kv heads, H head_dim, M mlp width:
     matmul weights  W_layer = D*N*H (q) + 2*D*C*H (k, v) + N*H*D (o) + 3*D*M (SwiGLU)
@@ -278,41 +282,42 @@ def update_flops(mcfg, rows: int, prompt_len: int, new_tokens: int) -> dict:
           "attention_share": fwd_attention / forward}
 
 
-def _random_batch(mcfg, rows: int, prompt_len: int, new_tokens: int, seed: int = 0,
-                  group: int = 1):
-  """A `train.Batch` of random rollout rows (full-length prompts, every token counted);
-  consecutive groups of `group` rows share a prompt, as in a rollout."""
-  from gspo_jax import train
+def _random_batch(mcfg, rows: int, prompt_len: int, new_tokens: int, *, group: int,
+                  seed: int = 0):
+  """(a `step.Batch` of random rollout rows, rewards_BxG): B = rows / group prompts of G =
+  group responses (full-length prompts, every token counted), random rewards (the update
+  turns them into group-normalised advantages)."""
+  from gspo_jax import step
   rng = np.random.default_rng(seed)
-  R, P, T = rows, prompt_len, new_tokens
-  prompts = np.repeat(rng.integers(0, mcfg.vocab_size, (R // group, P)), group, axis=0)
-  return train.Batch(
-      prompts_RxP=jnp.asarray(prompts, jnp.int32),
-      prompt_lens_R=jnp.full((R,), P, jnp.int32),
-      tokens_RxT=jnp.asarray(rng.integers(0, mcfg.vocab_size, (R, T)), jnp.int32),
-      mask_RxT=jnp.ones((R, T), jnp.float32),
-      old_logp_RxT=jnp.asarray(rng.normal(-8.0, 1.0, (R, T)), jnp.float32),
-      adv_R=jnp.asarray(rng.normal(0.0, 1.0, (R,)), jnp.float32))
+  B, G, P, T = rows // group, group, prompt_len, new_tokens
+  batch = step.Batch(
+      prompts_BxP=jnp.asarray(rng.integers(0, mcfg.vocab_size, (B, P)), jnp.int32),
+      prompt_lens_B=jnp.full((B,), P, jnp.int32),
+      tokens_BxGxT=jnp.asarray(rng.integers(0, mcfg.vocab_size, (B, G, T)), jnp.int32),
+      mask_BxGxT=jnp.ones((B, G, T), jnp.float32),
+      old_logp_BxGxT=jnp.asarray(rng.normal(-8.0, 1.0, (B, G, T)), jnp.float32))
+  return batch, jnp.asarray(rng.normal(0.0, 1.0, (B, G)), jnp.float32)
 
 
 def _update_program(mcfg, rows: int, prompt_len: int, new_tokens: int, group: int = 2,
                     share_prompts: bool = False):
-  """(jitted `train.update` with the state donated, TrainState, Batch) for one minibatch."""
+  """(jitted `step.update` with the state donated, TrainState, (Batch, rewards_BxG)) for
+  one minibatch of `rows` rows: rows / group prompts of `group` responses."""
   from flax import nnx
 
-  from gspo_jax import train
+  from gspo_jax import step
+  from gspo_jax.config import RolloutConfig, TrainConfig
   from gspo_jax.models import transformer
-  cfg = train.TrainConfig(model=mcfg, num_minibatches=1, share_prompts=share_prompts,
-                          rollout=train.RolloutConfig(
-      prompts_per_iter=rows // group, group_size=group, max_new_tokens=new_tokens,
-      max_prompt_len=prompt_len))
+  cfg = TrainConfig(model=mcfg, num_minibatches=1, share_prompts=share_prompts,
+                    rollout=RolloutConfig(prompts_per_iter=rows // group, group_size=group,
+                                          max_new_tokens=new_tokens, max_prompt_len=prompt_len))
   graphdef, params = nnx.split(transformer.create(mcfg), nnx.Param)
-  tx = train.make_optimizer(cfg.optim)
-  state = train.TrainState(params=params, opt_state=tx.init(params),
-                           step=jnp.zeros((), jnp.int32), key=jax.random.key(0))
-  step = jax.jit(functools.partial(train.update, graphdef=graphdef, tx=tx, cfg=cfg),
-                 donate_argnums=(0,))
-  return step, state, _random_batch(mcfg, rows, prompt_len, new_tokens, group=group)
+  tx = step.make_optimizer(cfg.optim)
+  state = step.TrainState(params=params, opt_state=tx.init(params),
+                          step=jnp.zeros((), jnp.int32), key=jax.random.key(0))
+  update = jax.jit(functools.partial(step.update, graphdef=graphdef, tx=tx, cfg=cfg),
+                   donate_argnums=(0,))
+  return update, state, _random_batch(mcfg, rows, prompt_len, new_tokens, group=group)
 
 
 def bench_train(args) -> dict:
@@ -328,16 +333,16 @@ def bench_train(args) -> dict:
   for remat in args.remat:
     mcfg = dataclasses.replace(_bench_model(args), remat=remat)
     flops = update_flops(mcfg, args.rows, args.prompt_len, args.new_tokens)
-    step, state, batch = _update_program(mcfg, args.rows, args.prompt_len, args.new_tokens)
+    step, state, inputs = _update_program(mcfg, args.rows, args.prompt_len, args.new_tokens)
     t0 = time.perf_counter()
-    compiled = step.lower(state, batch).compile()
+    compiled = step.lower(state, *inputs).compile()
     compile_s = time.perf_counter() - t0
-    state, metrics = compiled(state, batch)  # warm-up
+    state, metrics = compiled(state, *inputs)  # warm-up
     times, paired = [], []
     for _ in range(args.repeats):
       peak_now = 2 * n**3 / timed(matmul, a, a, repeats=3) / 1e9
       t0 = time.perf_counter()
-      state, metrics = compiled(state, batch)
+      state, metrics = compiled(state, *inputs)
       jax.block_until_ready(metrics)
       times.append(time.perf_counter() - t0)
       paired.append(flops["step"] / times[-1] / 1e9 / peak_now)
@@ -378,20 +383,20 @@ def bench_prefix(args) -> dict:
          "positions_unshared": R * (P + T), "positions_shared": B * P + R * T}
   programs = {}
   for share in (False, True):
-    step, state, batch = _update_program(mcfg, R, P, T, group=G, share_prompts=share)
+    step, state, inputs = _update_program(mcfg, R, P, T, group=G, share_prompts=share)
     t0 = time.perf_counter()
-    compiled = step.lower(state, batch).compile()
+    compiled = step.lower(state, *inputs).compile()
     compile_s = time.perf_counter() - t0
-    state, metrics = compiled(state, batch)  # warm-up
-    programs[share] = [compiled, state, batch]
+    state, metrics = compiled(state, *inputs)  # warm-up
+    programs[share] = [compiled, state, inputs]
     out[f"share_{share}"] = {"compile_seconds": compile_s, "first_loss": float(metrics["loss"]),
                              "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
                              "all_seconds": []}
   for _ in range(args.repeats):
     for share, prog in programs.items():
-      compiled, state, batch = prog
+      compiled, state, inputs = prog
       t0 = time.perf_counter()
-      state, metrics = compiled(state, batch)
+      state, metrics = compiled(state, *inputs)
       jax.block_until_ready(metrics)
       out[f"share_{share}"]["all_seconds"].append(time.perf_counter() - t0)
       prog[1] = state
@@ -416,75 +421,156 @@ def bench_prefix(args) -> dict:
 
 
 def bench_iteration(args) -> dict:
-  """One GSPO iteration of `gspo_jax.train` (addition task, no cold start), phase by phase:
-  sample (the in-graph sampler), score (decode + Python rewards on the host), prepare
-  (advantages and the recomputed pi_old, one jit), update (the minibatch scan, one jit);
-  then the same iterations fused into one program (`gspo_jax.fused`)."""
+  """One GSPO iteration of `gspo_jax.train` (addition task, no cold start), three ways, each
+  from the same state over the same iterations: iteration 0 compiles, 1..N are timed.
+
+    loop    `train.iterate`, as `train()` runs it (prepare overlaps the host's scoring, the
+            next sampler is queued behind the update, metrics are fetched one iteration
+            late). The headline `time_iteration` is its wall time over the N iterations / N,
+            a mean; the median of the loop's own per-iteration `time_iteration` metric is
+            reported beside it. Its `time_sample` runs from dispatch to the tokens on the
+            host, so it includes what was left of the previous update.
+    phases  the same programs one at a time, blocking after each: a diagnostic of where the
+            time goes (sample; score = decode + Python rewards on the host; prepare = pi_old
+            by teacher forcing; update = advantages + the minibatch scan), medians.
+    fused   sample, token-id reward, prepare and update as one program (`gspo_jax.fused`),
+            dispatched back to back; wall time / N, a mean.
+
+  The phases also check the fused path's reward: how often the token-id exact match equals
+  the task's text reward on the sampled responses."""
   import tempfile
 
-  from gspo_jax import train
+  from gspo_jax.config import RolloutConfig, SFTConfig, TrainConfig
   from gspo_jax.models import config
+  from gspo_jax.run import setup
   mcfg = config.tiny(vocab_size=32, hidden=args.width, mlp_dim=4 * args.width, num_heads=4,
                      num_kv_heads=2, head_dim=args.width // 4, num_layers=args.layers)
-  cfg = train.TrainConfig(
-      model=mcfg, num_minibatches=4, sft=train.SFTConfig(steps=0),
-      share_prompts=args.share_prompts,
-      rollout=train.RolloutConfig(prompts_per_iter=args.prompts, group_size=args.group,
-                                  max_new_tokens=args.new_tokens, max_prompt_len=8))
-  phases = ("time_sample", "time_score", "time_old_logp", "time_update", "time_total")
-  rows = []
+  cfg = TrainConfig(
+      model=mcfg, num_minibatches=4, sft=SFTConfig(steps=0), share_prompts=args.share_prompts,
+      rollout=RolloutConfig(prompts_per_iter=args.prompts, group_size=args.group,
+                            max_new_tokens=args.new_tokens, max_prompt_len=8))
+  N = args.iterations
+  if N < 1:
+    raise SystemExit("iteration: --iterations must be >= 1 (the timed iterations)")
   with tempfile.TemporaryDirectory() as run_dir:
-    run = train.setup(cfg, run_dir)
-    state0 = jax.tree.map(jnp.copy, run.state)  # the fused run starts from the same state
-    for _ in range(args.iterations + 1):  # the first iteration compiles
-      t0 = time.perf_counter()
-      batch, stats = train.rollout_step(run, run.state)
-      t1 = time.perf_counter()
-      run.state, metrics = run.programs.update(run.state, batch)
-      jax.block_until_ready(metrics)
-      t2 = time.perf_counter()
-      rows.append({**{k: float(stats[k]) for k in phases[:3]}, "time_update": t2 - t1,
-                   "time_total": t2 - t0, "rollout_step_seconds": t1 - t0})
-    fused_rows = _fused_iterations(run, state0, args.iterations + 1)
-  median = {k: statistics.median(r[k] for r in rows[1:]) for k in phases}
-  fused_s = statistics.median(fused_rows[1:])
-  # Host work between phases; a difference of medians, so it can come out slightly negative.
-  median["time_other"] = median["time_total"] - sum(median[k] for k in phases[:4])
+    run = setup(cfg, run_dir)
+    state0 = jax.tree.map(jnp.copy, run.state)  # every way starts from this state
+    loop = _loop_iterations(run, N)
+    run.state = jax.tree.map(jnp.copy, state0)
+    phased = [_phased_iteration(run, it) for it in range(N + 1)]
+    fused = _fused_iterations(run, jax.tree.map(jnp.copy, state0), N)
+  median = {k: statistics.median(r[k] for r in phased[1:]) for k in ITERATION_PHASES}
+  # Host work between the phases (drawing and encoding the prompts); a difference of
+  # medians, so it can come out slightly negative.
+  median["time_other"] = median["time_total"] - sum(median[k] for k in ITERATION_PHASES[:4])
+  agree = [r.pop("token_reward_agrees") for r in phased[1:]]
   tokens = args.prompts * args.group * args.new_tokens
   out = {"model": dataclasses.asdict(mcfg), "rollout": dataclasses.asdict(cfg.rollout),
-         "num_minibatches": cfg.num_minibatches, "first_iteration": rows[0],
-         "iterations": rows[1:], "median": median, "fused_first_iteration_seconds": fused_rows[0],
-         "fused_iteration_seconds": fused_rows[1:], "fused_median_seconds": fused_s,
-         "speedup_fused_over_phased": median["time_total"] / fused_s}
+         "num_minibatches": cfg.num_minibatches, "share_prompts": cfg.share_prompts,
+         "timed_iterations": N,
+         "time_iteration": loop["time_iteration"],
+         "time_iteration_statistic": f"mean: wall time of train.iterate over {N} iterations / {N}",
+         "loop": loop, "phases_median": median, "phases_iterations": phased[1:], "fused": fused,
+         "speedup_fused_over_loop": loop["time_iteration"] / fused["time_iteration"],
+         "phases_total_over_loop": median["time_total"] / loop["time_iteration"],
+         "token_reward_agreement": float(np.mean(np.concatenate(agree)))}
   print(f"iteration: addition, hidden {args.width}, {args.layers} layers; {args.prompts} prompts "
-        f"x G={args.group}, up to {args.new_tokens} new tokens ({tokens} max), 4 minibatches")
-  print(f"{'phase':10} {'median s':>9} {'share':>6} {'first s':>8}")
-  names = {"time_sample": "sample", "time_score": "score", "time_old_logp": "prepare",
+        f"x G={args.group}, up to {args.new_tokens} new tokens ({tokens} max), 4 minibatches, "
+        f"share_prompts={cfg.share_prompts}; {N} iterations timed after a compiling one")
+  print(f"loop (train.iterate): time_iteration {loop['time_iteration']:.4f} s (mean, wall / N; "
+        f"median of its per-iteration metric {loop['time_iteration_median']:.4f} s; first "
+        f"{loop['first_iteration_seconds']:.2f} s)")
+  print(f"phases, blocking after each:\n{'phase':10} {'median s':>9} {'share':>6}")
+  names = {"time_sample": "sample", "time_score": "score", "time_prepare": "prepare",
            "time_update": "update", "time_other": "other", "time_total": "total"}
   for k, name in names.items():
-    first = rows[0].get(k, rows[0]["time_total"] - sum(rows[0][p] for p in phases[:4]))
-    print(f"{name:10} {median[k]:9.4f} {median[k] / median['time_total']:6.1%} {first:8.3f}")
-  print(f"{'fused':10} {fused_s:9.4f} {'':6} {fused_rows[0]:8.3f}   (sample, token-id reward, "
-        f"prepare and update in one program)")
-  print(f"fused / phased: {out['speedup_fused_over_phased']:.2f}x faster per iteration")
+    print(f"{name:10} {median[k]:9.4f} {median[k] / median['time_total']:6.1%}")
+  print(f"fused (one program): {fused['time_iteration']:.4f} s (mean, wall / N; first "
+        f"{fused['first_iteration_seconds']:.2f} s)")
+  print(f"fused / loop: {out['speedup_fused_over_loop']:.2f}x faster per iteration; blocking "
+        f"phases / loop: {out['phases_total_over_loop']:.2f}x; token-id reward = text reward "
+        f"on {out['token_reward_agreement']:.1%} of responses")
   return out
 
 
-def _fused_iterations(run, state, n: int) -> list[float]:
-  """Wall seconds of n fused iterations (host: draw and encode the prompts and answers)."""
-  from gspo_jax import fused, train
+ITERATION_PHASES = ("time_sample", "time_score", "time_prepare", "time_update", "time_total")
+LOOP_METRICS = ("time_sample", "time_score", "time_iteration", "tokens_per_s", "response_tokens")
+
+
+def _loop_iterations(run, n: int) -> dict:
+  """`train.iterate` for iteration 0 (compiles), then for iterations 1..n, timed whole."""
+  from gspo_jax import train
+  rows = []
+  keep = lambda step, m: rows.append({"step": step, **{k: float(m[k]) for k in LOOP_METRICS}})
+  t0 = time.perf_counter()
+  train.iterate(run, 0, 1, on_metrics=keep)
+  first = time.perf_counter() - t0
+  t0 = time.perf_counter()
+  train.iterate(run, 1, n + 1, on_metrics=keep)  # returns once the last metrics are fetched
+  wall = time.perf_counter() - t0
+  return {"first_iteration_seconds": first, "seconds": wall, "time_iteration": wall / n,
+          "time_iteration_median": statistics.median(r["time_iteration"] for r in rows[1:]),
+          "iterations": rows[1:]}
+
+
+def _phased_iteration(run, it: int) -> dict:
+  """Iteration `it` as `rollout.rollout_step` + the update run it, blocking after each phase;
+  also whether the token-id reward of the fused path equals the text reward, per response."""
+  from gspo_jax import fused, sharding, text
+  cfg, tok, mesh = run.cfg, run.tok, run.layout.mesh
+  B, G, T = cfg.rollout.prompts_per_iter, cfg.rollout.group_size, cfg.rollout.max_new_tokens
+  t0 = time.perf_counter()
+  examples = run.task.train_batch(cfg.seed, it, B)
+  prompts, lens = (sharding.feed(x, mesh, B)
+                   for x in run.encode_prompts([e.prompt for e in examples]))
+  t1 = time.perf_counter()
+  rollout, _ = jax.block_until_ready(
+      run.programs.sample(run.state.params, prompts, lens, run.state.key, it))
+  t2 = time.perf_counter()
+  tokens, mask = np.asarray(rollout.tokens_BxGxT), np.asarray(rollout.mask_BxGxT)
+  texts = text.decode_completions(tok, tokens.reshape(B * G, T), mask.reshape(B * G, T))
+  rewards, _, _ = run.task.score_batch([e for e in examples for _ in range(G)], texts)
+  rewards_BxG = np.asarray(rewards, np.float32).reshape(B, G)
+  t3 = time.perf_counter()
+  batch = jax.block_until_ready(run.programs.prepare(run.state.params, None, rollout, prompts,
+                                                     lens))
+  t4 = time.perf_counter()
+  run.state, metrics = run.programs.update(run.state, batch,
+                                           sharding.feed(rewards_BxG, mesh, B))
+  jax.block_until_ready(metrics)
+  t5 = time.perf_counter()
+  answer, answer_lens = text.encode_answers(tok, [e.answer for e in examples], T)
+  token_rewards = fused.exact_match_reward(jnp.asarray(tokens), jnp.asarray(answer),
+                                           jnp.asarray(answer_lens), tok.eos_id)
+  return {"time_sample": t2 - t1, "time_score": t3 - t2, "time_prepare": t4 - t3,
+          "time_update": t5 - t4, "time_total": t5 - t0,
+          "token_reward_agrees": (np.asarray(token_rewards) == rewards_BxG).ravel()}
+
+
+def _fused_iterations(run, state, n: int) -> dict:
+  """The fused program for iteration 0 (compiles), then iterations 1..n dispatched back to
+  back (the host draws and encodes the next prompts and answers while the device runs),
+  timed whole."""
+  from gspo_jax import fused, text
   step = fused.make_fused_iteration(run)
-  cfg, seconds = run.cfg, []
-  for it in range(n):
-    t0 = time.perf_counter()
-    examples = run.task.sample(np.random.default_rng([cfg.seed, it]),
-                               cfg.rollout.prompts_per_iter, "train")
-    prompts, lens = train.encode_prompts(run.tok, examples, cfg.rollout.max_prompt_len)
-    answer, answer_lens = fused.encode_answers(run.tok, examples, cfg.rollout.max_new_tokens)
-    state, metrics = step(state, prompts, lens, answer, answer_lens)
-    jax.block_until_ready(metrics)
-    seconds.append(time.perf_counter() - t0)
-  return seconds
+  cfg = run.cfg
+
+  def inputs(it: int):
+    examples = run.task.train_batch(cfg.seed, it, cfg.rollout.prompts_per_iter)
+    prompts, lens = run.encode_prompts([e.prompt for e in examples])
+    answer, answer_lens = text.encode_answers(run.tok, [e.answer for e in examples],
+                                              cfg.rollout.max_new_tokens)
+    return prompts, lens, answer, answer_lens
+
+  t0 = time.perf_counter()
+  state, metrics = jax.block_until_ready(step(state, *inputs(0)))
+  first = time.perf_counter() - t0
+  t0 = time.perf_counter()
+  for it in range(1, n + 1):
+    state, metrics = step(state, *inputs(it))  # the state is donated
+  jax.block_until_ready((state, metrics))
+  wall = time.perf_counter() - t0
+  return {"first_iteration_seconds": first, "seconds": wall, "time_iteration": wall / n}
 
 
 def _compile_seconds(jitted, *args) -> tuple[float, float]:
@@ -516,12 +602,13 @@ def bench_compile(args) -> dict:
                                               "scan": scan == "scan", "dtype": "float32"}))
     row = {"mode": scan, "layers": layers}
     if "update" in args.programs:
-      step, state, batch = _update_program(mcfg, R, P, T)
+      step, state, inputs = _update_program(mcfg, R, P, T)
       row["update_lower_seconds"], row["update_compile_seconds"] = _compile_seconds(
-          step, state, batch)
+          step, state, *inputs)
     if "sampler" in args.programs:
       graphdef, params = nnx.split(transformer.create(mcfg))
-      program = sampling.sampler_program(graphdef, params, scfg)
+      # The pure sampler a run's `programs.sample` compiles, here on one device.
+      program = jax.jit(functools.partial(sampling.sample, graphdef, cfg=scfg))
       row["sampler_lower_seconds"], row["sampler_compile_seconds"] = _compile_seconds(
           program, params, prompts, lens, jax.random.key(0))
     if warm_up:
@@ -605,13 +692,14 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--new-tokens", type=int, default=64)
   _add_model_args(p, width=256, layers=4, heads=8, kv_heads=4, vocab=2048)
   p.add_argument("--repeats", type=int, default=5)
-  p = sub.add_parser("iteration", help="one GSPO iteration, phase by phase")
+  p = sub.add_parser("iteration", help="one GSPO iteration: the loop end to end, by phase, fused")
   p.add_argument("--prompts", type=int, default=64)
   p.add_argument("--group", type=int, default=8)
   p.add_argument("--new-tokens", type=int, default=5)
   p.add_argument("--width", type=int, default=128)
   p.add_argument("--layers", type=int, default=2)
-  p.add_argument("--iterations", type=int, default=5)
+  p.add_argument("--iterations", type=int, default=5,
+                 help="timed iterations, after one compiling iteration")
   p.add_argument("--share-prompts", action="store_true", help="TrainConfig.share_prompts=True")
   p = sub.add_parser("compile", help="compile time vs number of layers")
   p.add_argument("--layers", type=int, nargs="+", default=[2, 4, 8, 16, 28])

@@ -34,6 +34,7 @@ from experiments import _plots  # noqa: E402
 from gspo_jax import losses, sampling  # noqa: E402
 from gspo_jax.advantages import group_advantages  # noqa: E402
 from gspo_jax.models import config, transformer  # noqa: E402
+from gspo_jax.teacher_forcing import response_logprobs  # noqa: E402
 
 B, G, P, T = 8, 4, 6, 8
 BONUS = 0.5
@@ -56,7 +57,7 @@ def rollout(model):
 def make_step(graphdef, tx, variant: str):
   def loss_fn(params, prompts, lens, tokens, mask, old, adv):
     model = nnx.merge(graphdef, params)
-    logp = sampling.response_logprobs(model, prompts, lens, tokens[:, None])[0][:, 0]
+    logp = response_logprobs(model, prompts, lens, tokens[:, None])[0][:, 0]
     if variant == "gspo":
       return losses.gspo_loss(logp, old, adv, mask)
     adv_tok = jnp.broadcast_to(adv[:, None], mask.shape)

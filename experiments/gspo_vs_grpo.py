@@ -1,7 +1,8 @@
 """Experiments 1 and 2 of the paper: GSPO vs GRPO training efficiency, and clipping fractions.
 
-Same task, model, data stream and seeds; the paper's clip ranges (GSPO 3e-4 / 4e-4, GRPO
-0.2 / 0.27); each rollout batch split into 4 minibatches, so later updates are off-policy.
+Same task, model, data stream and seeds; each loss with its own clip range, the paper's
+(`losses.LOSS_DEFAULTS`: GSPO 3e-4 / 4e-4, GRPO 0.2 / 0.27); each rollout batch split into
+4 minibatches, so later updates are off-policy.
 The cold start is deterministic per seed, so GSPO and GRPO start from the same policy.
 
     python experiments/gspo_vs_grpo.py --quick                    # a few minutes on 2 CPU cores
@@ -26,12 +27,14 @@ sys.path.insert(0, ROOT)
 
 from experiments import _runs  # noqa: E402
 from gspo_jax import configlib  # noqa: E402
-from gspo_jax import train as T  # noqa: E402
+from gspo_jax.config import TrainConfig  # noqa: E402
 
-CLIP = {"gspo": (3e-4, 4e-4), "grpo": (0.2, 0.27)}
+LOSSES = ("gspo", "grpo")
 
 
-def config(loss: str, seed: int, quick: bool, iterations: int | None) -> T.TrainConfig:
+def config(loss: str, seed: int, quick: bool, iterations: int | None) -> TrainConfig:
+  """configs/addition_tiny.py with `loss`, eps unset so that each loss clips at its own
+  (the paper's) range whatever the config file sets."""
   cfg = configlib.load_config(os.path.join(ROOT, "configs", "addition_tiny.py"))
   if quick:
     cfg = dataclasses.replace(
@@ -40,8 +43,7 @@ def config(loss: str, seed: int, quick: bool, iterations: int | None) -> T.Train
         iterations=6, eval_every=3, eval_size=64)
   if iterations:
     cfg = dataclasses.replace(cfg, iterations=iterations)
-  return dataclasses.replace(cfg, loss=loss, eps_low=CLIP[loss][0], eps_high=CLIP[loss][1],
-                             seed=seed)
+  return dataclasses.replace(cfg, loss=loss, eps_low=None, eps_high=None, seed=seed)
 
 
 def summarise(runs: dict[str, list[dict]]) -> dict:
@@ -61,7 +63,7 @@ def plot(runs: dict[str, list[dict]], out: str) -> list[str]:
 
 
 def main(argv=None):
-  return _runs.main(argv, doc=__doc__, name="gspo_vs_grpo", variants=CLIP, seeds=(0, 1, 2),
+  return _runs.main(argv, doc=__doc__, name="gspo_vs_grpo", variants=LOSSES, seeds=(0, 1, 2),
                     flag="--losses", summarise=summarise, plot=plot,
                     config=lambda loss, seed, a: config(loss, seed, a.quick, a.iterations))
 

@@ -4,8 +4,9 @@ after one policy update, for the same rollout data.
 The paper reports ~10% of activated experts changing after each update of a 48-layer MoE,
 which is what makes GRPO's per-token ratios volatile. Here: a tiny MoE (8 experts, top-2,
 every layer) is cold-started on 2-digit addition, one rollout batch is sampled, then one
-GSPO and one GRPO update (4 minibatches, paper clip ranges) are taken from the same state;
-we compare each (response token, MoE layer)'s top-k expert set before and after.
+GSPO and one GRPO update (4 minibatches, each loss's own clip range, the paper's) are taken
+from the same state; we compare each (response token, MoE layer)'s top-k expert set before
+and after, on the same inputs.
 
     python experiments/moe_routing.py [--quick]
 
@@ -23,19 +24,20 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from gspo_jax import coldstart, configlib, sharding  # noqa: E402
-from gspo_jax import train as T  # noqa: E402
+from gspo_jax import coldstart, configlib, sharding, step  # noqa: E402
+from gspo_jax.config import TrainConfig  # noqa: E402
 from gspo_jax.models.config import tiny_moe  # noqa: E402
+from gspo_jax.rollout import rollout_step  # noqa: E402
+from gspo_jax.run import setup  # noqa: E402
 
-CLIP = {"gspo": (3e-4, 4e-4), "grpo": (0.2, 0.27)}
+LOSSES = ("gspo", "grpo")
 
 
-def config(quick: bool, lr: float) -> T.TrainConfig:
+def config(quick: bool, lr: float) -> TrainConfig:
   cfg = configlib.load_config(os.path.join(ROOT, "configs", "addition_tiny.py"))
   return dataclasses.replace(
       cfg, model=tiny_moe(vocab_size=32, hidden=128, num_experts=8, experts_per_token=2,
@@ -43,45 +45,46 @@ def config(quick: bool, lr: float) -> T.TrainConfig:
       sft=dataclasses.replace(cfg.sft, steps=20 if quick else 300, target_accuracy=0.0),
       rollout=dataclasses.replace(cfg.rollout, prompts_per_iter=16 if quick else 64),
       optim=dataclasses.replace(cfg.optim, learning_rate=lr, warmup_steps=0),
-      mesh=sharding.MeshConfig(num_devices=1))
+      eps_low=None, eps_high=None, mesh=sharding.MeshConfig(num_devices=1))
 
 
-def expert_sets(params, graphdef, batch: T.Batch) -> np.ndarray:
-  """Sorted top-k experts of every (row, response position, MoE layer): (L, R, T, K)."""
-  model = nnx.merge(graphdef, params)
-  P = batch.prompts_RxP.shape[1]
-  T_ = batch.tokens_RxT.shape[1]
-  seq = jnp.concatenate([batch.prompts_RxP, batch.tokens_RxT], axis=1)
-  lens = batch.prompt_lens_R
-  pos = jnp.concatenate([jnp.broadcast_to(jnp.arange(P), (len(lens), P)),
-                         lens[:, None] + jnp.arange(T_)[None, :]], axis=1)
-  valid = jnp.concatenate([jnp.arange(P)[None, :] < lens[:, None],
-                           jnp.ones_like(batch.tokens_RxT, bool)], axis=1)
-  indices = jax.jit(lambda s, p, v: model(s, p, v).router.indices)(seq, pos, valid)
-  return np.sort(np.stack([np.asarray(i)[:, P:] for i in indices]), axis=-1)
+def expert_sets(graphdef, cfg: TrainConfig):
+  """(params, batch) -> the sorted top-k experts of every (MoE layer, row, response
+  position): (L, R, T, K), rows R = B*G in (prompt, response) order, from the trainer's own
+  teacher-forced forward (`step.policy_logprobs`)."""
+  route = jax.jit(lambda p, rows: step.policy_logprobs(p, graphdef, rows, cfg)[1].indices)
+
+  def sets(params, batch: step.Batch) -> np.ndarray:
+    P = batch.prompts_BxP.shape[1]
+    return np.sort(np.stack([np.asarray(i)[:, P:] for i in route(params, batch)]), axis=-1)
+
+  return sets
 
 
 def run(quick: bool, lrs, out: str) -> dict:
   results = {}
   run_dir = os.path.join(out, "runs", "setup")  # the task tokenizer (ignored by git)
   for lr in lrs:
-    base = T.setup(config(quick, lr), run_dir)
-    params = coldstart.cold_start(base.state.params, base.graphdef, base.task, base.tok,
-                                  base.cfg, mesh=base.layout.mesh, log=lambda *a: None)
-    base.state = base.programs.init(params)
-    batch, stats = T.rollout_step(base, base.state)
-    mask = np.asarray(batch.mask_RxT) > 0
-    before = expert_sets(base.state.params, base.graphdef, batch)
-    for loss, (lo, hi) in CLIP.items():
-      run = base.reconfigure(dataclasses.replace(base.cfg, loss=loss, eps_low=lo, eps_high=hi))
-      new, metrics = run.programs.update(jax.tree.map(jnp.copy, base.state), batch)
-      after = expert_sets(new.params, run.graphdef, batch)
+    base = setup(config(quick, lr), run_dir)
+    base.state = base.programs.init(coldstart.cold_start(base, log=lambda *a: None))
+    r = rollout_step(base, base.state.params, base.state.key, 0)
+    B, G, T = r.batch.tokens_BxGxT.shape
+    mask = np.asarray(r.batch.mask_BxGxT).reshape(B * G, T) > 0
+    # Routing depends on the parameters only (not on the loss): one program for all.
+    sets = expert_sets(base.graphdef, base.cfg)
+    before = sets(base.state.params, r.batch)
+    for loss in LOSSES:
+      run = base.reconfigure(dataclasses.replace(base.cfg, loss=loss))
+      # The update donates its state: each loss starts from its own copy of the same one.
+      new, metrics = run.programs.update(jax.tree.map(jnp.copy, base.state), r.batch,
+                                         r.rewards_BxG)
+      after = sets(new.params, r.batch)
       changed = np.any(before != after, axis=-1)              # (L, R, T): top-k set changed
       per_layer = [float(changed[l][mask].mean()) for l in range(changed.shape[0])]
       results[f"{loss}_lr{lr:g}"] = {
           "changed_fraction": float(np.mean(per_layer)), "changed_per_layer": per_layer,
           "clip_frac_token": float(metrics["clip_frac_token"]),
-          "reward_mean": float(stats["reward_mean"]), "tokens": int(mask.sum())}
+          "reward_mean": float(r.stats["reward_mean"]), "tokens": int(mask.sum())}
   return results
 
 

@@ -1,8 +1,8 @@
 """Side by side with tunix (google-tunix): the same tiny Qwen3, the same weights, the same work.
 
-    python3.11 -m venv /work/venv-tunix
-    /work/venv-tunix/bin/pip install -r requirements.txt google-tunix==0.1.7
-    /work/venv-tunix/bin/python experiments/peer_tunix.py      # a few minutes on 2 CPU cores
+    python3.11 -m venv .venv-tunix
+    .venv-tunix/bin/pip install -r requirements.txt google-tunix==0.1.7
+    .venv-tunix/bin/python experiments/peer_tunix.py      # a few minutes on 2 CPU cores
 
 tunix is not a dependency of gspo_jax: it is imported only inside this script, which stops
 with a message (exit code 2) when it is missing. Writes experiments/results/peer_tunix.json.
@@ -29,9 +29,11 @@ What is compared, and why it is the same work on both sides:
   with the prompts repeated G times (group size 1), to show how much of the difference is
   prefix sharing.
 * Update step. One GSPO policy-gradient step on the same B*G rows of P + T tokens (one
-  minibatch), the same pi_old log-probs and advantages, the same optax optimizer (ours:
-  `train.make_optimizer`, AdamW lr 1e-4 with global-norm clip 1.0, handed to both), float32.
-  Ours: `gspo_jax.train.update` under `jax.jit` with the state donated (as in
+  minibatch), the same pi_old log-probs and advantages (ours computes them from the
+  rewards inside the update, `group_advantages`; tunix is handed the same values), the same
+  optax optimizer (ours: `step.make_optimizer`, AdamW lr 1e-4 with global-norm clip 1.0,
+  handed to both), float32. Ours: `gspo_jax.step.update` under `jax.jit` with the state
+  donated (as in
   `benchmark.py train`), loss "gspo". Theirs: the jitted step tunix's RL trainer runs: a
   `tunix.rl.trainer.Trainer` (a `PeftTrainer`) with the loss function and model-input
   function set exactly as `GRPOLearner.__init__` sets them (`algo_core.grpo_loss_fn` with
@@ -70,7 +72,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from experiments import benchmark  # noqa: E402
-from gspo_jax import sampling, train  # noqa: E402
+from gspo_jax import sampling, step  # noqa: E402
+from gspo_jax.advantages import group_advantages  # noqa: E402
+from gspo_jax.config import RolloutConfig, TrainConfig  # noqa: E402
 from gspo_jax.models import config as our_config  # noqa: E402
 from gspo_jax.models import transformer  # noqa: E402
 
@@ -85,14 +89,14 @@ WHAT_RUNS = {
                        "CacheConfig(cache_size=P+T)).generate(B*G prompt strings, "
                        "RolloutConfig(max_tokens_to_generate=T, temperature=1.0, top_p=1.0, "
                        "top_k=None, max_prompt_length=P, eos_tokens=[V]))",
-    "update_ours": "jax.jit(gspo_jax.train.update, donate state)(state, batch); loss 'gspo', "
-                   "1 minibatch",
+    "update_ours": "jax.jit(gspo_jax.step.update, donate state)(state, batch, rewards_BxG); "
+                   "loss 'gspo', 1 minibatch",
     "update_theirs": "tunix.rl.trainer.Trainer(model, optimizer, TrainingConfig)"
                      ".with_loss_fn(grpo_loss_fn wrapper as in GRPOLearner, has_aux=True)"
                      ".with_gen_model_input_fn(as in GRPOLearner).jit_train_and_eval_step("
                      "cache_nnx_graph=True)[0](TrainExample); GRPOConfig(loss_algo='gspo-token', "
                      "beta=0, epsilon=3e-4) + epsilon_high=4e-4",
-    "optimizer_both": "gspo_jax.train.make_optimizer(OptimConfig()): clip_by_global_norm(1.0), "
+    "optimizer_both": "gspo_jax.step.make_optimizer(OptimConfig()): clip_by_global_norm(1.0), "
                       "adamw(lr=1e-4, b1=0.9, b2=0.99, weight_decay=0)",
 }
 
@@ -109,9 +113,9 @@ def import_tunix():
     from tunix.sft import peft_trainer
   except ImportError as e:
     print(f"peer_tunix.py needs tunix ({e}). Make a separate venv:\n"
-          f"  python3.11 -m venv /work/venv-tunix\n"
-          f"  /work/venv-tunix/bin/pip install -r requirements.txt google-tunix==0.1.7\n"
-          f"  /work/venv-tunix/bin/python experiments/peer_tunix.py", file=sys.stderr)
+          f"  python3.11 -m venv .venv-tunix\n"
+          f"  .venv-tunix/bin/pip install -r requirements.txt google-tunix==0.1.7\n"
+          f"  .venv-tunix/bin/python experiments/peer_tunix.py", file=sys.stderr)
     sys.exit(2)
   return argparse.Namespace(
       qwen3=qwen3, gen_utils=gen_utils, algo_core=algo_core, common=common,
@@ -307,52 +311,53 @@ def bench_sampling(tx, ours, theirs, args) -> dict:
 # ------------------------------------------------------------------------------ update
 
 
-def update_batch(ours, args) -> train.Batch:
-  """B*G rows of P + T random tokens (no 0: tunix treats id 0 as padding), each group of G
-  consecutive rows sharing its prompt as in a rollout, every response token counted,
-  advantages N(0, 1) and pi_old = the current policy's log-probs plus N(0, 0.01) noise (so
-  that some sequences are clipped, as in a later minibatch)."""
-  R, P, T = args.prompts * args.group, args.prompt_len, args.new_tokens
+def update_batch(ours, args) -> tuple[step.Batch, jax.Array]:
+  """(batch, rewards_BxG): B prompts x G responses of P + T random tokens (no 0: tunix
+  treats id 0 as padding), every response token counted, rewards N(0, 1) (the update turns
+  them into group-normalised advantages) and pi_old = the current policy's log-probs plus
+  N(0, 0.01) noise (so that some sequences are clipped, as in a later minibatch)."""
+  B, G, P, T = args.prompts, args.group, args.prompt_len, args.new_tokens
   rng = np.random.default_rng(1)
-  prompts = jnp.asarray(np.repeat(rng.integers(1, args.vocab, (args.prompts, P)), args.group, 0),
-                        jnp.int32)
-  tokens = jnp.asarray(rng.integers(1, args.vocab, (R, T)), jnp.int32)
-  lens = jnp.full((R,), P, jnp.int32)
+  prompts = jnp.asarray(rng.integers(1, args.vocab, (B, P)), jnp.int32)
+  tokens = jnp.asarray(rng.integers(1, args.vocab, (B, G, T)), jnp.int32)
+  mask = jnp.ones((B, G, T), jnp.float32)
+  rows = step.Batch(prompts, jnp.full((B,), P, jnp.int32), tokens, mask, mask)
   graphdef, params = nnx.split(ours, nnx.Param)
-  logp = jax.jit(train.score_logprobs, static_argnums=(1,))(params, graphdef, prompts, lens,
-                                                          tokens, 1.0)
-  noise = jnp.asarray(rng.normal(0.0, 0.01, (R, T)), jnp.float32)
-  return train.Batch(prompts_RxP=prompts, prompt_lens_R=lens, tokens_RxT=tokens,
-                     mask_RxT=jnp.ones((R, T), jnp.float32), old_logp_RxT=logp + noise,
-                     adv_R=jnp.asarray(rng.normal(0.0, 1.0, (R,)), jnp.float32))
+  cfg = our_train_config(ours.cfg, args)
+  logp = jax.jit(lambda p, r: step.policy_logprobs(p, graphdef, r, cfg)[0])(params, rows)
+  noise = jnp.asarray(rng.normal(0.0, 0.01, (B, G, T)), jnp.float32)
+  rewards = jnp.asarray(rng.normal(0.0, 1.0, (B, G)), jnp.float32)
+  return rows.replace(old_logp_BxGxT=logp + noise), rewards
 
 
-def our_train_config(model_cfg, args, share_prompts: bool = False) -> train.TrainConfig:
-  return train.TrainConfig(
+def our_train_config(model_cfg, args, share_prompts: bool = False) -> TrainConfig:
+  """GSPO at the clip range handed to tunix as well (the paper's), one minibatch, no KL."""
+  return TrainConfig(
       model=model_cfg, loss="gspo", eps_low=3e-4, eps_high=4e-4, num_minibatches=1, kl_coef=0.0,
       share_prompts=share_prompts,
-      rollout=train.RolloutConfig(prompts_per_iter=args.prompts, group_size=args.group,
-                                  max_new_tokens=args.new_tokens, max_prompt_len=args.prompt_len,
-                                  temperature=1.0))
+      rollout=RolloutConfig(prompts_per_iter=args.prompts, group_size=args.group,
+                            max_new_tokens=args.new_tokens, max_prompt_len=args.prompt_len,
+                            temperature=1.0))
 
 
 class OurUpdate:
-  """Ours: `train.update` jitted with the TrainState donated, one minibatch; with
+  """Ours: `step.update` jitted with the TrainState donated, one minibatch; with
   `share_prompts` each prompt is computed once for its G responses."""
 
-  def __init__(self, ours, batch: train.Batch, args, share_prompts: bool = False):
+  def __init__(self, ours, batch: step.Batch, rewards_BxG, args, share_prompts: bool = False):
     cfg = our_train_config(ours.cfg, args, share_prompts)
     graphdef, params = nnx.split(ours, nnx.Param)
     params = jax.tree.map(jnp.copy, params)  # the state is donated: keep `ours` intact
-    self.tx = train.make_optimizer(cfg.optim)
-    self.graphdef, self.batch = graphdef, batch
-    self.state = train.TrainState(params=params, opt_state=self.tx.init(params),
-                                  step=jnp.zeros((), jnp.int32), key=jax.random.key(0))
-    self.step = jax.jit(lambda s, b: train.update(s, b, graphdef=graphdef, tx=self.tx, cfg=cfg),
+    self.tx = step.make_optimizer(cfg.optim)
+    self.graphdef, self.inputs = graphdef, (batch, rewards_BxG)
+    self.state = step.TrainState(params=params, opt_state=self.tx.init(params),
+                                 step=jnp.zeros((), jnp.int32), key=jax.random.key(0))
+    self.step = jax.jit(lambda s, b, r: step.update(s, b, r, graphdef=graphdef, tx=self.tx,
+                                                    cfg=cfg),
                         donate_argnums=(0,))
 
   def __call__(self) -> dict:
-    self.state, metrics = self.step(self.state, self.batch)
+    self.state, metrics = self.step(self.state, *self.inputs)
     return jax.device_get(metrics)
 
   def model(self):
@@ -362,7 +367,7 @@ class OurUpdate:
 class TheirUpdate:
   """Theirs: the train step of tunix's RL `Trainer`, set up as `GRPOLearner` sets it up."""
 
-  def __init__(self, tx, theirs, batch: train.Batch, optimizer, args):
+  def __init__(self, tx, theirs, batch: step.Batch, rewards_BxG, optimizer, args):
     algo = tx.grpo_learner.GRPOConfig(num_generations=args.group, num_iterations=1, beta=0.0,
                                       epsilon=3e-4, loss_algo="gspo-token")
     algo.epsilon_high = 4e-4   # read by grpo_loss_fn with hasattr()
@@ -376,19 +381,25 @@ class TheirUpdate:
     self.trainer.with_loss_fn(loss_fn, has_aux=True)
     self.trainer.with_gen_model_input_fn(lambda x: {"train_example": x, "algo_config": algo})
     self.step, _ = self.trainer.jit_train_and_eval_step(skip_jit=False, cache_nnx_graph=True)
-    self.example = their_example(tx, batch)
+    self.example = their_example(tx, batch, rewards_BxG)
 
   def __call__(self) -> dict:
     loss, aux, grad_norm = self.step(self.example)
     return jax.device_get({"loss": loss, "grad_norm": grad_norm, **aux})
 
 
-def their_example(tx, b: train.Batch):
-  """The same rows as tunix's `TrainExample` (prompts unpadded, so left = right padding)."""
+def their_example(tx, b: step.Batch, rewards_BxG):
+  """The same B*G rows as tunix's `TrainExample`: each prompt repeated for its G responses
+  (unpadded, so left = right padding), and the advantages our update computes from the
+  rewards."""
+  B, G, T = b.tokens_BxGxT.shape
+  prompts = jnp.repeat(b.prompts_BxP, G, axis=0)
+  flat = lambda x: x.reshape(B * G, T)
   return tx.common.TrainExample(
-      prompt_ids=b.prompts_RxP, prompt_mask=jnp.ones(b.prompts_RxP.shape, bool),
-      completion_ids=b.tokens_RxT, completion_mask=b.mask_RxT.astype(bool),
-      advantages=b.adv_R, ref_per_token_logps=None, old_per_token_logps=b.old_logp_RxT)
+      prompt_ids=prompts, prompt_mask=jnp.ones(prompts.shape, bool),
+      completion_ids=flat(b.tokens_BxGxT), completion_mask=flat(b.mask_BxGxT).astype(bool),
+      advantages=group_advantages(rewards_BxG).reshape(B * G), ref_per_token_logps=None,
+      old_per_token_logps=flat(b.old_logp_BxGxT))
 
 
 def max_abs_diff(ours, theirs) -> float:
@@ -403,11 +414,11 @@ def max_abs_diff_ours(model_a, model_b) -> float:
 
 
 def bench_update(tx, ours, args) -> dict:
-  batch = update_batch(ours, args)
+  batch, rewards = update_batch(ours, args)
   theirs = their_model_from(tx, ours)
-  our_step = OurUpdate(ours, batch, args)
-  shared_step = OurUpdate(ours, batch, args, share_prompts=True)
-  their_step = TheirUpdate(tx, theirs, batch, our_step.tx, args)
+  our_step = OurUpdate(ours, batch, rewards, args)
+  shared_step = OurUpdate(ours, batch, rewards, args, share_prompts=True)
+  their_step = TheirUpdate(tx, theirs, batch, rewards, our_step.tx, args)
   first_ours, m_ours = first_call(our_step)
   first_shared, m_shared = first_call(shared_step)
   first_theirs, m_theirs = first_call(their_step)
@@ -466,7 +477,8 @@ def print_report(r: dict) -> None:
         f"by <= {c['max_abs_param_diff_after_step']:.1e} (ours moved them by <= "
         f"{c['max_abs_param_change_ours']:.1e})")
   print(f"{'side':38} {'seconds':>8} {'first call s':>13}")
-  print(f"{'ours (train.update)':38} {u['ours']['seconds']:8.3f} {u['ours']['first_call_seconds']:13.2f}")
+  print(f"{'ours (step.update)':38} {u['ours']['seconds']:8.3f} "
+        f"{u['ours']['first_call_seconds']:13.2f}")
   x = u["ours_shared_prompts"]
   print(f"{'ours, share_prompts=True':38} {x['seconds']:8.3f} {x['first_call_seconds']:13.2f}")
   print(f"{'tunix (rl Trainer train step)':38} {u['theirs']['seconds']:8.3f} "

@@ -18,7 +18,6 @@ experiments/results/precision_gap[_quick]/summary.json and log_ratio_hist.png.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -31,33 +30,39 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from experiments import _plots  # noqa: E402
-from gspo_jax import losses, sampling  # noqa: E402
-from gspo_jax import train as T  # noqa: E402
+from gspo_jax import losses, programs, sharding, step  # noqa: E402
+from gspo_jax.run import load_run  # noqa: E402
 
 DEFAULT_RUN = os.path.join(ROOT, "experiments", "results", "gspo_vs_grpo", "runs", "gspo_seed0")
 
 
-def bf16_model(run):
-  """The run's policy with parameters and activations in bfloat16."""
-  return T.sampler_policy(run.graphdef, run.state.params, run.cfg.model, "bfloat16")
+def bf16_sampler(run):
+  """The run's rollout sampler, run by a copy of the policy with parameters and activations
+  in bfloat16 (the cast inside the program, as `rollout.sampler_dtype="bfloat16"` does):
+  (params, prompts_BxP, lens_B, key) -> Rollout."""
+  scfg, _ = programs.sampler_configs(run.tok, run.cfg)
+  return run.programs.sampler(scfg, dtype="bfloat16")
 
 
 def measure(run, prompts: int) -> dict:
-  cfg = dataclasses.replace(run.cfg, rollout=dataclasses.replace(run.cfg.rollout,
-                                                                 prompts_per_iter=prompts))
-  examples = run.task.sample(np.random.default_rng([cfg.seed, 99]), prompts, "train")
-  ids, lens = T.encode_prompts(run.tok, examples, cfg.rollout.max_prompt_len)
-  rollout = sampling.sample_groups(bf16_model(run), ids, lens, jax.random.key(0),
-                                   T.sampler_config(run.tok, cfg))
+  mesh = run.layout.mesh
+  sharding.check_rows("--prompts", prompts, mesh)
+  examples = run.task.sample(np.random.default_rng([run.cfg.seed, 99]), prompts, "train")
+  ids, lens = (sharding.feed(x, mesh, prompts)
+               for x in run.encode_prompts([e.prompt for e in examples]))
+  rollout = bf16_sampler(run)(run.state.params, ids, lens, jax.random.key(0))
+  rows = step.Batch(ids, lens, rollout.tokens_BxGxT, rollout.mask_BxGxT, rollout.logp_BxGxT)
+  # pi_old as the float32 trainer recomputes it (teacher forcing at the run's temperature).
+  rescore = jax.jit(lambda p, r: step.policy_logprobs(p, run.graphdef, r, run.cfg)[0])
   B, G, L = rollout.tokens_BxGxT.shape
-  tokens, mask = rollout.tokens_BxGxT.reshape(B * G, L), rollout.mask_BxGxT.reshape(B * G, L)
-  f32 = T.score_logprobs(run.state.params, run.graphdef, jnp.repeat(jnp.asarray(ids), G, 0),
-                         jnp.repeat(jnp.asarray(lens), G, 0), tokens, cfg.rollout.temperature)
-  bf16 = rollout.logp_BxGxT.reshape(B * G, L)
-  m = np.asarray(mask) > 0
-  token_lr = np.asarray(f32 - bf16)[m]             # log r_it, trainer over sampler
-  seq_lr = np.asarray(losses.sequence_log_ratio(f32, bf16, mask))
-  seq_lr = seq_lr[np.asarray(mask).sum(1) > 0]
+  flat = lambda x: np.asarray(x).reshape(B * G, L)
+  f32, bf16, mask = flat(rescore(run.state.params, rows)), flat(rollout.logp_BxGxT), flat(
+      rollout.mask_BxGxT)
+  m = mask > 0
+  token_lr = (f32 - bf16)[m]                       # log r_it, trainer over sampler
+  seq_lr = np.asarray(losses.sequence_log_ratio(jnp.asarray(f32), jnp.asarray(bf16),
+                                                jnp.asarray(mask)))
+  seq_lr = seq_lr[mask.sum(1) > 0]
   outside = lambda lr, lo, hi: float(np.mean((np.exp(lr) < 1 - lo) | (np.exp(lr) > 1 + hi)))
   return {
       "responses": int(len(seq_lr)), "tokens": int(m.sum()),
@@ -66,6 +71,7 @@ def measure(run, prompts: int) -> dict:
       "token_log_ratio_max_abs": float(np.abs(token_lr).max()),
       "seq_log_ratio_std": float(seq_lr.std()),
       "seq_log_ratio_max_abs": float(np.abs(seq_lr).max()),
+      # The paper's clip ranges.
       "tokens_outside_grpo_clip(0.2,0.27)": outside(token_lr, 0.2, 0.27),
       "sequences_outside_gspo_clip(3e-4,4e-4)": outside(seq_lr, 3e-4, 4e-4),
       "tokens_outside_gspo_clip_if_per_token(3e-4,4e-4)": outside(token_lr, 3e-4, 4e-4),
@@ -98,7 +104,7 @@ def main(argv=None):
   if not os.path.exists(os.path.join(run_dir, "config.json")):
     raise SystemExit(f"no training run at {run_dir}: run experiments/gspo_vs_grpo.py first, or "
                      "pass --run")
-  run = T.load_run(run_dir)
+  run = load_run(run_dir)
   summary, token_lr, seq_lr = measure(run, 16 if args.quick else args.prompts)
   summary["run"] = os.path.relpath(run_dir, ROOT)
   with open(os.path.join(out, "summary.json"), "w") as f:

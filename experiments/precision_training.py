@@ -28,7 +28,7 @@ sys.path.insert(0, ROOT)
 
 from experiments import _runs  # noqa: E402
 from experiments.gspo_vs_grpo import config as base_config  # noqa: E402
-from gspo_jax import train as T  # noqa: E402
+from gspo_jax.config import TrainConfig  # noqa: E402
 
 VARIANTS = {f"{loss}_{src}": (loss, src) for loss in ("gspo", "grpo")
             for src in ("recompute", "sampler")}
@@ -36,7 +36,7 @@ COLOURS = {"gspo_recompute": "tab:blue", "gspo_sampler": "tab:cyan",
            "grpo_recompute": "tab:orange", "grpo_sampler": "tab:red"}
 
 
-def config(variant: str, seed: int, quick: bool, iterations: int | None) -> T.TrainConfig:
+def config(variant: str, seed: int, quick: bool, iterations: int | None) -> TrainConfig:
   loss, source = VARIANTS[variant]
   cfg = base_config(loss, seed, quick, iterations)
   return dataclasses.replace(cfg, old_logp=source, rollout=dataclasses.replace(

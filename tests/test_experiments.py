@@ -35,6 +35,8 @@ def test_gspo_vs_grpo_quick(tmp_path):
                "clip_fraction.png"):
     assert (tmp_path / name).stat().st_size > 0, name
   assert summary["gspo"]["iterations"] == summary["grpo"]["iterations"] == 2
+  # Training seconds come from the loop's own per-iteration wall time.
+  assert all(s > 0 for loss in ("gspo", "grpo") for s in summary[loss]["train_seconds"])
   # Same seed, same deterministic cold start: both losses start from the same policy.
   assert summary["gspo"]["heldout_start"] == summary["grpo"]["heldout_start"]
   assert json.loads((tmp_path / "summary.json").read_text())["gspo"]["seeds"] == [0]

@@ -1,32 +1,34 @@
 """The fused iteration (sample -> token-id reward -> advantages -> update in one program):
 its reward agrees with the task's text reward, and one fused iteration equals one phased
-iteration of `gspo_jax.train` from the same state."""
+iteration of the training loop (`rollout.rollout_step`, then the update program) from the
+same state."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gspo_jax import fused, sharding
-from gspo_jax import train as T
+from gspo_jax import fused, sharding, text
+from gspo_jax.config import OptimConfig, RolloutConfig, SFTConfig, TrainConfig
 from gspo_jax.models.config import tiny
+from gspo_jax.rollout import rollout_step
+from gspo_jax.run import setup
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-  cfg = T.TrainConfig(
+  cfg = TrainConfig(
       model=tiny(vocab_size=24, hidden=32, mlp_dim=64, num_heads=2, num_kv_heads=1, head_dim=16),
-      rollout=T.RolloutConfig(prompts_per_iter=4, group_size=4, max_new_tokens=4,
-                              max_prompt_len=8),
-      sft=T.SFTConfig(steps=0), optim=T.OptimConfig(learning_rate=1e-3), num_minibatches=2,
+      rollout=RolloutConfig(prompts_per_iter=4, group_size=4, max_new_tokens=4, max_prompt_len=8),
+      sft=SFTConfig(steps=0), optim=OptimConfig(learning_rate=1e-3), num_minibatches=2,
       mesh=sharding.MeshConfig(num_devices=1))
-  return T.setup(cfg, str(tmp_path_factory.mktemp("fused")))
+  return setup(cfg, str(tmp_path_factory.mktemp("fused")))
 
 
 def test_token_reward_agrees_with_the_text_reward(run):
   tok, task = run.tok, run.task
   examples = [task.example(37, 85), task.example(3, 4)]
-  answer, answer_lens = fused.encode_answers(tok, examples, 4)
+  answer, answer_lens = text.encode_answers(tok, [ex.answer for ex in examples], 4)
   eos, pad = tok.eos_id, tok.pad_id
   right = lambda ex: tok.encode(ex.answer) + [eos]
   wrong = lambda ex: tok.encode(str(int(ex.answer) + 1)) + [eos]
@@ -39,7 +41,7 @@ def test_token_reward_agrees_with_the_text_reward(run):
       r = r[:4]
       tokens[b, g, :len(r)] = r
       mask[b, g, :len(r) if eos not in r else r.index(eos) + 1] = 1
-  texts = T.decode_completions(tok, tokens.reshape(8, 4), mask.reshape(8, 4))
+  texts = text.decode_completions(tok, tokens.reshape(8, 4), mask.reshape(8, 4))
   want = np.array([task.reward(examples[i // 4], t) for i, t in enumerate(texts)]).reshape(2, 4)
   got = fused.exact_match_reward(jnp.asarray(tokens), jnp.asarray(answer),
                                  jnp.asarray(answer_lens), eos)
@@ -49,14 +51,15 @@ def test_token_reward_agrees_with_the_text_reward(run):
 
 def test_one_fused_iteration_equals_one_phased_iteration(run):
   state = jax.tree.map(jnp.copy, run.state)
-  batch, stats = T.rollout_step(run, state)
-  phased, _ = run.programs.update(jax.tree.map(jnp.copy, state), batch)
-  rng = np.random.default_rng([run.cfg.seed, 0])  # rollout_step's examples for step 0
-  examples = run.task.sample(rng, run.cfg.rollout.prompts_per_iter, "train")
-  prompts, lens = T.encode_prompts(run.tok, examples, run.cfg.rollout.max_prompt_len)
-  answer, answer_lens = fused.encode_answers(run.tok, examples, run.cfg.rollout.max_new_tokens)
+  r = rollout_step(run, state.params, state.key, 0)
+  phased, _ = run.programs.update(jax.tree.map(jnp.copy, state), r.batch, r.rewards_BxG)
+  # rollout_step's examples for step 0.
+  examples = run.task.train_batch(run.cfg.seed, 0, run.cfg.rollout.prompts_per_iter)
+  prompts, lens = run.encode_prompts([e.prompt for e in examples])
+  answer, answer_lens = text.encode_answers(run.tok, [e.answer for e in examples],
+                                            run.cfg.rollout.max_new_tokens)
   new_state, metrics = fused.make_fused_iteration(run)(state, prompts, lens, answer, answer_lens)
   assert int(new_state.step) == 1 and np.isfinite(float(metrics["loss"]))
-  np.testing.assert_allclose(float(metrics["reward_mean"]), stats["reward_mean"], atol=1e-6)
+  np.testing.assert_allclose(float(metrics["reward_mean"]), r.stats["reward_mean"], atol=1e-6)
   for got, want in zip(jax.tree.leaves(new_state.params), jax.tree.leaves(phased.params)):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
