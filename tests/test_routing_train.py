@@ -114,8 +114,10 @@ def test_replay_at_theta_old_changes_nothing(run):
     new, m = r.programs.update(jax.tree.map(jnp.copy, run.state), b, rewards)
     outs.append((jax.tree.leaves(new.params), float(m["loss"]), float(m["ratio_max"])))
   assert outs[0][1] == outs[1][1] and outs[0][2] == outs[1][2] == 1.0
+  # The replayed forward is another compiled program (gates gathered at the recorded
+  # experts instead of top-k): the same update to float32 rounding of one Adam step.
   for a, b in zip(outs[0][0], outs[1][0]):
-    np.testing.assert_array_equal(a, b)
+    np.testing.assert_allclose(a, b, rtol=0, atol=1e-6 * cfg.optim.learning_rate)
 
 
 def test_routing_on_a_dense_model_is_a_clear_error():
