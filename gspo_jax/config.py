@@ -103,8 +103,8 @@ class TrainConfig:
   rollout: RolloutConfig = RolloutConfig()
   optim: OptimConfig = OptimConfig()
   sft: SFTConfig = SFTConfig()
-  loss: Literal["gspo", "gspo_token", "grpo", "luspo", "sapo", "sapo_seq", "cispo",
-                "gmpo"] = "gspo"   # a key of losses.LOSSES
+  # a key of losses.LOSSES
+  loss: Literal["gspo", "gspo_token", "grpo", "luspo", "sapo", "sapo_seq", "cispo", "gmpo"] = "gspo"
   # None = the loss's own default (losses.LOSS_DEFAULTS): GSPO 3e-4 / 4e-4, GRPO 0.2 / 0.27.
   # Each applies only to the losses whose LOSS_DEFAULTS entry has it (an error otherwise).
   eps_low: float | None = None

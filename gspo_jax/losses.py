@@ -142,6 +142,8 @@ def luspo_loss(logp_BxT: Array, old_logp_BxT: Array, adv: Array, mask_BxT: Array
                eps_low: float = _LUSPO["eps_low"], eps_high: float = _LUSPO["eps_high"],
                token_weights_BxT: Array | None = None) -> tuple[Array, Metrics]:
   """`gspo_loss(..., length_weighting=True)`, length-unbiased GSPO (`--set loss=luspo`)."""
+  _check_inputs("luspo_loss", logp_BxT, old_logp_BxT, adv, mask_BxT, eps_low, eps_high,
+                token_weights_BxT, per_sequence="sapo_loss")
   return gspo_loss(logp_BxT, old_logp_BxT, adv, mask_BxT, eps_low=eps_low, eps_high=eps_high,
                    length_weighting=True, token_weights_BxT=token_weights_BxT)
 

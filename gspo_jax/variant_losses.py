@@ -152,6 +152,8 @@ def cispo_loss(logp_BxT: Array, old_logp_BxT: Array, adv: Array, mask_BxT: Array
   fn = "cispo_loss"
   check_inputs(fn, logp_BxT, old_logp_BxT, adv, mask_BxT, token_weights_BxT)
   _checks.check_choice(fn, "aggregation", aggregation, AGGREGATIONS)
+  _checks.check_positive(fn, "eps_low", eps_low)
+  _checks.check_positive(fn, "eps_high", eps_high)
   m = weighted_mask(mask_BxT, token_weights_BxT)
   l_BxT = token_log_ratio(logp_BxT, old_logp_BxT, m)
   # log pi_theta at counted tokens only: junk at masked positions never reaches the product.
@@ -184,6 +186,8 @@ def gmpo_loss(logp_BxT: Array, old_logp_BxT: Array, adv: Array, mask_BxT: Array,
   fn = "gmpo_loss"
   check_inputs(fn, logp_BxT, old_logp_BxT, adv, mask_BxT, token_weights_BxT,
                per_sequence="sapo_loss or cispo_loss")
+  _checks.check_positive(fn, "eps_low", eps_low)
+  _checks.check_positive(fn, "eps_high", eps_high)
   m = weighted_mask(mask_BxT, token_weights_BxT)
   l_BxT = token_log_ratio(logp_BxT, old_logp_BxT, m)
   adv_B = _live_rows(adv, m)
