@@ -227,11 +227,15 @@ LOSSES = {"gspo": gspo_loss, "gspo_token": gspo_token_loss, "grpo": grpo_loss,
 
 def kl_loss(logp_BxT: Array, ref_logp_BxT: Array, mask_BxT: Array, *, estimator: str = "k3",
             aggregation: str = "seq-mean-token-mean",
-            token_sum_norm: float | None = None) -> tuple[Array, Metrics]:
+            token_sum_norm: float | None = None,
+            token_weights_BxT: Array | None = None) -> tuple[Array, Metrics]:
   """The KL(pi_theta || pi_ref) term a train step adds as `kl_coef * kl`:
 
     kl = aggregate(kl_penalty(logp_BxT, ref_logp_BxT, mask_BxT, estimator), mask_BxT,
                    mode=aggregation, token_sum_norm=token_sum_norm)
+
+  `token_weights_BxT`: pass the policy loss's to weight (and drop) the same tokens (TRL
+  multiplies the KL term by its importance weights too).
 
   Pass the policy loss's aggregation (and token_sum_norm); GSPO and GSPO-token aggregate
   seq-mean-token-mean. `ref_logp_BxT` is a constant. The paper's objectives have no KL
@@ -244,6 +248,8 @@ def kl_loss(logp_BxT: Array, ref_logp_BxT: Array, mask_BxT: Array, *, estimator:
   _checks.check_token_arrays(fn, mask_BxT, logp_BxT=logp_BxT, ref_logp_BxT=ref_logp_BxT)
   _checks.check_choice(fn, "estimator", estimator, KL_ESTIMATORS)
   _checks.check_choice(fn, "aggregation", aggregation, AGGREGATIONS)
+  mask_BxT = weighted_mask(mask_BxT, token_weights_BxT)
   kl_BxT = kl_penalty(logp_BxT, ref_logp_BxT, mask_BxT, estimator=estimator)
-  kl = aggregate(kl_BxT, mask_BxT, mode=aggregation, token_sum_norm=token_sum_norm)
+  kl = aggregate(kl_BxT, mask_BxT, mode=aggregation, token_sum_norm=token_sum_norm,
+                 token_weights_BxT=token_weights_BxT)
   return kl, {"kl": jax.lax.stop_gradient(kl)}

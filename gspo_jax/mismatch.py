@@ -40,7 +40,7 @@ def rollout_correction(old_logp_BxT: Array, sampler_logp_BxT: Array, mask_BxT: A
           "geometric":  exp((1/n_i) sum_t log w_it), on every token of row i
     mode "truncate":    min(w, threshold)                (TIS; C = 2 as verl and tunix, TRL 3)
          "mask":        w inside [threshold_low, threshold], else 0 (MIS / IcePop: the kept
-                        tokens keep their weight, as in IcePop and TRL's *_mask modes;
+                        tokens keep their weight, as in IcePop and verl's mask mode;
                         threshold_low defaults to 1 / threshold, verl's default)
 
   A weight of 0 removes its token (a row, at the sequence levels) from the loss, numerators

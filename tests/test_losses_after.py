@@ -311,6 +311,10 @@ def test_zero_weights_leave_numerators_and_denominators_alike(dtype, tol):
       for k in a[1]:
         np.testing.assert_allclose(a[1][k], b[1][k], err_msg=f"{name}: {k}", **tol)
       np.testing.assert_allclose(ga, gb, err_msg=name, **tol)
+  # The KL term drops and weights the same tokens.
+  kl = lambda mk, w: L.kl_loss(logp, old + 0.3, mk, token_weights_BxT=w)[0]
+  np.testing.assert_allclose(kl(mask, w01), kl(kept, None), **tol)
+  np.testing.assert_allclose(kl(mask, w), kl(kept, w), **tol)
   # The weights do change the loss (w != 1 on kept tokens).
   assert abs(float(weighted["grpo"][0][0]) - float(ones["grpo"][0][0])) > 1e-4
 
