@@ -104,10 +104,10 @@ def gspo_loss(logp_BxT: Array, old_logp_BxT: Array, adv: Array, mask_BxT: Array,
 
   length_weighting=True is length-unbiased GSPO (LUSPO, arXiv 2602.05261): each response's
   term is weighted by its length, L = -(1/N) sum_i n_i min(...)_i, so every token of a row
-  gets the gradient -a_i s_i A_i / N whatever the row's length (GSPO's 1/n_i is what drifts
-  it toward short responses). Scale: the mean over the N non-empty rows of n_i times GSPO's
-  term, as the LUSPO paper and TRL's `loss_type="luspo"` write it (TRL divides by all B
-  rows); the loss and gradient are larger than GSPO's by about the mean response length, so
+  gets the gradient -a_i s_i A_i / N whatever the row's length, where GSPO's carries 1/n_i
+  (LUSPO reports that GSPO drifts toward shorter responses). Scale: the mean over the N non-empty rows of n_i times GSPO's
+  term, as TRL's `loss_type="luspo"` computes it (up to TRL's division by all B rows);
+  the loss and gradient are larger than GSPO's by about the mean response length, so
   the learning rate that suits GSPO is about that factor too large for it.
 
   With `token_weights_BxT` the row's term is broadcast to its tokens and weighted per token:
@@ -143,7 +143,7 @@ def luspo_loss(logp_BxT: Array, old_logp_BxT: Array, adv: Array, mask_BxT: Array
                token_weights_BxT: Array | None = None) -> tuple[Array, Metrics]:
   """`gspo_loss(..., length_weighting=True)`, length-unbiased GSPO (`--set loss=luspo`)."""
   _check_inputs("luspo_loss", logp_BxT, old_logp_BxT, adv, mask_BxT, eps_low, eps_high,
-                token_weights_BxT, per_sequence="sapo_loss")
+                token_weights_BxT, per_sequence="gspo_token_loss")
   return gspo_loss(logp_BxT, old_logp_BxT, adv, mask_BxT, eps_low=eps_low, eps_high=eps_high,
                    length_weighting=True, token_weights_BxT=token_weights_BxT)
 
