@@ -103,12 +103,17 @@ class TrainConfig:
   rollout: RolloutConfig = RolloutConfig()
   optim: OptimConfig = OptimConfig()
   sft: SFTConfig = SFTConfig()
-  loss: Literal["gspo", "gspo_token", "grpo"] = "gspo"   # a key of losses.LOSSES
+  # a key of losses.LOSSES
+  loss: Literal["gspo", "gspo_token", "grpo", "luspo", "sapo", "sapo_seq", "cispo", "gmpo"] = "gspo"
   # None = the loss's own default (losses.LOSS_DEFAULTS): GSPO 3e-4 / 4e-4, GRPO 0.2 / 0.27.
+  # Each applies only to the losses whose LOSS_DEFAULTS entry has it (an error otherwise).
   eps_low: float | None = None
   eps_high: float | None = None
-  # GRPO only: losses.AGGREGATIONS; None = the paper's seq-mean-token-mean.
+  # GRPO and CISPO: losses.AGGREGATIONS; None = GRPO's seq-mean-token-mean, CISPO's token-mean.
   aggregation: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"] | None = None
+  # SAPO's gate temperatures for positive / other advantages; None = 1.0 / 1.05.
+  tau_pos: float | None = None
+  tau_neg: float | None = None
 
   num_minibatches: int = 4
   old_logp: Literal["recompute", "sampler"] = "recompute"  # "sampler": its log-probs are pi_old
@@ -136,9 +141,12 @@ class TrainConfig:
     _checks.check_choice("config", "routing", self.routing, ROUTING_MODES)
     if self.aggregation is not None:
       _checks.check_choice("config", "aggregation", self.aggregation, losses.AGGREGATIONS)
-      if self.loss != "grpo":
-        raise ValueError(f"config: aggregation applies to loss='grpo' (GSPO and GSPO-token "
-                         f"average each response's tokens, paper Eq. 5); loss is {self.loss!r}")
+    for name, value in self._loss_fields().items():
+      if value is not None and name not in losses.LOSS_DEFAULTS[self.loss]:
+        # Refused, not ignored: e.g. token-mean aggregation would length-weight GSPO.
+        takers = "/".join(repr(k) for k, d in losses.LOSS_DEFAULTS.items() if name in d)
+        raise ValueError(f"config: {name} applies to loss={takers}; loss is {self.loss!r} "
+                         f"(its hyperparameters: {', '.join(losses.LOSS_DEFAULTS[self.loss])})")
     if not self.pretrained:
       check_routing(self)
     if (self.rollout.prompts_per_iter * self.rollout.group_size) % self.num_minibatches:
@@ -148,7 +156,7 @@ class TrainConfig:
       raise ValueError(f"share_prompts=True keeps groups whole, so num_minibatches "
                        f"({self.num_minibatches}) must divide rollout.prompts_per_iter "
                        f"({self.rollout.prompts_per_iter})")
-    for name in ("eps_low", "eps_high"):
+    for name in ("eps_low", "eps_high", "tau_pos", "tau_neg"):
       value = getattr(self, name)
       if value is not None and not value > 0:
         raise ValueError(f"{name} must be > 0 (or unset for the loss's default); got {value}")
@@ -165,10 +173,13 @@ class TrainConfig:
     """Keyword arguments of `losses.LOSSES[self.loss]`: the loss's own defaults
     (`losses.LOSS_DEFAULTS`) with what this config sets."""
     kwargs = dict(losses.LOSS_DEFAULTS[self.loss])
-    set_here = {"eps_low": self.eps_low, "eps_high": self.eps_high,
-                "aggregation": self.aggregation}
-    kwargs.update({k: v for k, v in set_here.items() if v is not None})
+    kwargs.update({k: v for k, v in self._loss_fields().items() if v is not None})
     return kwargs
+
+  def _loss_fields(self) -> dict[str, Any]:
+    """The loss hyperparameters a config may set (None = the loss's default)."""
+    return {"eps_low": self.eps_low, "eps_high": self.eps_high,
+            "aggregation": self.aggregation, "tau_pos": self.tau_pos, "tau_neg": self.tau_neg}
 
   @property
   def kl_aggregation(self) -> str:

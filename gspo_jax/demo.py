@@ -60,7 +60,8 @@ class DemoConfig:
   log_every: int = 20
 
   def __post_init__(self):
-    losses_ = tuple(losses.LOSSES)
+    # The demo passes eps_low / eps_high: the losses that take a clip range.
+    losses_ = tuple(k for k, d in losses.LOSS_DEFAULTS.items() if "eps_low" in d)
     if self.loss not in losses_:
       raise ValueError(f"DemoConfig.loss must be one of {losses_}; got {self.loss!r}")
     if self.max_len < self.answer_len + 1:

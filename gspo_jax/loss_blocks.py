@@ -19,6 +19,7 @@ gradient. No clamps are applied to log-ratios (verl/tunix clamp to +-20 or cap l
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -33,10 +34,16 @@ AGGREGATIONS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 __all__ = [
-    "AGGREGATIONS", "KL_ESTIMATORS", "Surrogate", "aggregate", "clipped_surrogate",
-    "kl_penalty", "policy_metrics", "row_lengths", "sequence_log_ratio", "token_advantages",
-    "token_log_ratio",
+    "AGGREGATIONS", "KL_ESTIMATORS", "ObjectiveWarning", "Surrogate", "aggregate",
+    "clipped_surrogate", "kl_penalty", "policy_metrics", "row_lengths", "sequence_log_ratio",
+    "sign_aware_log_clip", "soft_gate_surrogate", "token_advantages", "token_log_ratio",
+    "truncated_weight_surrogate", "weighted_mask",
 ]
+
+
+class ObjectiveWarning(UserWarning):
+  """A combination of arguments that is valid but changes the objective in a way that is
+  easy to miss (e.g. a per-sequence objective aggregated by token-mean is length-weighted)."""
 
 
 def _compute_dtype(x: Any) -> Any:
@@ -46,6 +53,20 @@ def _compute_dtype(x: Any) -> Any:
 def _masked(x_BxT: Array, m_BxT: Array, dtype) -> Array:
   """x where counted, 0 elsewhere; junk at masked positions never propagates."""
   return jnp.where(m_BxT, jnp.asarray(x_BxT).astype(dtype), jnp.zeros((), dtype))
+
+
+def weighted_mask(mask_BxT: Array, token_weights_BxT: Array | None) -> Array:
+  """The tokens that count once `token_weights_BxT` is applied: m_it and w_it != 0.
+
+  A weight of exactly 0 removes its token from the loss, denominators (n_i, N) and the
+  sequence ratio included: how `rollout_correction(mode="mask")` and the off-policy
+  sequence mask drop tokens and rows. `None` returns `mask_BxT` unchanged.
+  """
+  if token_weights_BxT is None:
+    return mask_BxT
+  _checks.check_token_arrays("weighted_mask", mask_BxT, token_weights_BxT=token_weights_BxT)
+  m = jnp.asarray(mask_BxT).astype(bool)
+  return m & (jax.lax.stop_gradient(jnp.asarray(token_weights_BxT)) != 0)
 
 
 def row_lengths(mask_BxT: Array, dtype=jnp.float32) -> Array:
@@ -169,8 +190,77 @@ def clipped_surrogate(log_ratio: Array, adv: Array, *, eps_low, eps_high) -> Sur
   return Surrogate(objective, jax.lax.stop_gradient(ratio), clipped_low, clipped_high)
 
 
+def soft_gate_surrogate(log_ratio: Array, adv: Array, *, tau_pos, tau_neg) -> Surrogate:
+  """SAPO's soft gate in place of the clip (arXiv 2511.20347), elementwise:
+
+    f(r) A,   f(r) = (4/tau) sigmoid(tau (r - 1)),   tau = tau_pos if A > 0 else tau_neg
+
+  f(1) = 2/tau and f'(1) = 1: at r = 1 the gradient is A dlog r for any tau. Nothing is
+  clipped (flags all False). Where tau (r - 1) > 40, sigmoid is exactly 1 in float32 and
+  float64, so the element is taken as the constant 4/tau (zero gradient): the plain
+  formula's value and gradient, without 0 * inf = NaN once r overflows. Any shape.
+  """
+  fn = "soft_gate_surrogate"
+  _checks.check_shape(fn, "adv", adv, jnp.shape(log_ratio), "log_ratio")
+  _checks.check_positive(fn, "tau_pos", tau_pos)
+  _checks.check_positive(fn, "tau_neg", tau_neg)
+  dtype = _compute_dtype(log_ratio)
+  log_ratio, adv = jnp.asarray(log_ratio).astype(dtype), jnp.asarray(adv).astype(dtype)
+  tau = jnp.where(adv > 0, tau_pos, tau_neg).astype(dtype)
+  ratio = jnp.exp(log_ratio)
+  saturated = jax.lax.stop_gradient(tau * (ratio - 1)) > 40
+  live = jnp.exp(jnp.where(saturated, jnp.zeros_like(log_ratio), log_ratio))
+  gate = jnp.where(saturated, 4 / tau, 4 / tau * jax.nn.sigmoid(tau * (live - 1)))
+  never = jnp.zeros(jnp.shape(log_ratio), bool)
+  return Surrogate(gate * adv, jax.lax.stop_gradient(ratio), never, never)
+
+
+def truncated_weight_surrogate(log_ratio: Array, logp: Array, adv: Array, *, eps_low,
+                               eps_high) -> Surrogate:
+  """CISPO's term (MiniMax-M1, arXiv 2506.13585), elementwise, any shape:
+
+    sg[clip(r, 1 - eps_low, 1 + eps_high)] A logp,    r = exp(log_ratio), logp = log pi_theta
+
+  The weight is clipped, not the term: every element keeps the gradient sg[clip(r)] A dlogp.
+  Flags mark truncated weights whatever the sign of A (r > 1 + eps_high, r < 1 - eps_low).
+  The value is verl's and TRL's (it holds log pi_theta, so it is not comparable with other
+  losses' values).
+  """
+  fn = "truncated_weight_surrogate"
+  _checks.check_shape(fn, "logp", logp, jnp.shape(log_ratio), "log_ratio")
+  _checks.check_shape(fn, "adv", adv, jnp.shape(log_ratio), "log_ratio")
+  _checks.check_positive(fn, "eps_low", eps_low)
+  _checks.check_positive(fn, "eps_high", eps_high)
+  dtype = _compute_dtype(log_ratio)
+  ratio = jax.lax.stop_gradient(jnp.exp(jnp.asarray(log_ratio).astype(dtype)))
+  weight = jnp.clip(ratio, 1 - eps_low, 1 + eps_high)
+  objective = weight * jnp.asarray(adv).astype(dtype) * jnp.asarray(logp).astype(dtype)
+  return Surrogate(objective, ratio, ratio < 1 - eps_low, ratio > 1 + eps_high)
+
+
+def sign_aware_log_clip(log_ratio: Array, adv: Array, *, eps_low, eps_high
+                        ) -> tuple[Array, Array, Array]:
+  """GMPO's token clipping in log space (arXiv 2507.20673), elementwise, any shape:
+
+    l~ = sgn(A) min(sgn(A) l, sgn(A) clip(l, -eps_low, eps_high))
+
+  (A > 0: l capped at eps_high; A < 0: floored at -eps_low; A = 0: unchanged). A clipped
+  element is the constant bound (zero gradient). Returns (l~, clipped_low, clipped_high).
+  """
+  fn = "sign_aware_log_clip"
+  _checks.check_shape(fn, "adv", adv, jnp.shape(log_ratio), "log_ratio")
+  _checks.check_positive(fn, "eps_low", eps_low)
+  _checks.check_positive(fn, "eps_high", eps_high)
+  log_ratio = jnp.asarray(log_ratio).astype(_compute_dtype(log_ratio))
+  high = (jnp.asarray(adv) > 0) & (log_ratio > eps_high)
+  low = (jnp.asarray(adv) < 0) & (log_ratio < -eps_low)
+  bound = jnp.where(high, eps_high, -eps_low).astype(log_ratio.dtype)
+  return jnp.where(high | low, bound, log_ratio), low, high
+
+
 def aggregate(x: Array, mask_BxT: Array, *, mode: str = "seq-mean-token-mean",
-              token_sum_norm: float | None = None) -> Array:
+              token_sum_norm: float | None = None,
+              token_weights_BxT: Array | None = None) -> Array:
   """Reduce per-token values x_BxT, or per-sequence values x_B, to a scalar (docs/losses.md,
   Aggregation). A per-sequence x_B stands for x_it = x_i on every counted token of row i.
 
@@ -181,12 +271,17 @@ def aggregate(x: Array, mask_BxT: Array, *, mode: str = "seq-mean-token-mean",
                               defaults to T, the padded length: set it to the maximum
                               generation length so the scale is the same every batch)
 
-  N counts non-empty rows only (an empty row has no token to average).
+  N counts non-empty rows only. `token_weights_BxT` (constants) multiply each token's value
+  (x_B broadcast first: under seq-mean-token-mean a row's value is weighted by its weights'
+  row mean); a weight of 0 removes its token from the denominators too (`weighted_mask`).
+  A per-sequence x_B with another mode weights each row by its length n_i: warned
+  (ObjectiveWarning), as it silently length-weights GSPO's mean over responses.
 
   Args:
     x: x_BxT (values at masked positions are ignored) or x_B (values of empty rows are
       ignored).
     mask_BxT: 1 on counted tokens.
+    token_sum_norm: only with mode="seq-mean-token-sum-norm" (an error otherwise).
   Returns:
     A scalar in the compute dtype.
   """
@@ -195,10 +290,23 @@ def aggregate(x: Array, mask_BxT: Array, *, mode: str = "seq-mean-token-mean",
   _checks.check_choice(fn, "mode", mode, AGGREGATIONS)
   if token_sum_norm is not None:
     _checks.check_positive(fn, "token_sum_norm", token_sum_norm)
+    if mode != "seq-mean-token-sum-norm":
+      raise ValueError(f"{fn}: token_sum_norm applies to mode='seq-mean-token-sum-norm'; "
+                       f"mode is {mode!r} (it would be ignored)")
   shape_BxT = jnp.shape(mask_BxT)
   _checks.check_rows_or_tokens(fn, "x", x, shape_BxT, "mask_BxT")
+  if jnp.ndim(x) == 1 and mode != "seq-mean-token-mean":
+    warnings.warn(f"{fn}: a per-sequence x_B with mode={mode!r} weights each response by its "
+                  "length n_i (not GSPO's paper Eq. 5; gspo_loss(length_weighting=True) if "
+                  "meant)", ObjectiveWarning, stacklevel=2)
   m = jnp.asarray(mask_BxT).astype(bool)
   dtype = _compute_dtype(x)
+  if token_weights_BxT is not None:
+    # Weighted: broadcast x_B to its tokens and take the BxT path with x * w.
+    m = weighted_mask(m, token_weights_BxT)
+    w_BxT = _masked(jax.lax.stop_gradient(token_weights_BxT), m, dtype)
+    x = jnp.broadcast_to(jnp.asarray(x)[:, None], shape_BxT) if jnp.ndim(x) == 1 else x
+    x = _masked(x, m, dtype) * w_BxT
   n_B = row_lengths(m, dtype)
   num_seqs = jnp.maximum(jnp.sum(n_B > 0, dtype=dtype), 1)
   if jnp.ndim(x) == 1:

@@ -1,4 +1,6 @@
-"""GSPO, GSPO-token and GRPO objectives, and the KL term: pure functions over arrays.
+"""GSPO, GSPO-token, GRPO and length-unbiased GSPO objectives, the KL term, and the registry
+of every policy loss (`LOSSES`, `LOSS_DEFAULTS`; SAPO, CISPO and GMPO live in
+`gspo_jax.variant_losses` and are re-exported here): pure functions over arrays.
 
 Paper: Zheng et al., "Group Sequence Policy Optimization", arXiv:2507.18071 (v2).
 
@@ -15,9 +17,12 @@ the same way:
 Every loss is called `LOSSES[name](logp_BxT, old_logp_BxT, adv, mask_BxT, **hyperparameters)`
 and returns `(loss, metrics)`: the loss to *minimise* (the negated objective) and a flat
 dict of scalars (`policy_metrics`). `LOSS_DEFAULTS[name]` holds each loss's default
-hyperparameters, which are also its keyword defaults. The KL penalty is not part of the
-losses: a train step adds `kl_coef * kl_loss(logp_BxT, ref_logp_BxT, mask_BxT, ...)[0]`
-(the paper uses none).
+hyperparameters, which are also its keyword defaults. Every loss also takes
+`token_weights_BxT=None`: constants multiplying each token's term (rollout-correction
+weights, `gspo_jax.mismatch`); a weight of exactly 0 removes the token from numerators and
+denominators alike (`weighted_mask`). The KL penalty is not part of the losses: a train
+step adds `kl_coef * kl_loss(logp_BxT, ref_logp_BxT, mask_BxT, ...)[0]` (the paper uses
+none).
 """
 
 from __future__ import annotations
@@ -25,13 +30,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from gspo_jax import _checks
+from gspo_jax import _checks, variant_losses
 from gspo_jax.logprobs import token_logprobs, token_logprobs_from_hidden
 from gspo_jax.loss_blocks import (
     AGGREGATIONS,
     KL_ESTIMATORS,
     Array,
     Metrics,
+    ObjectiveWarning,
     Surrogate,
     aggregate,
     clipped_surrogate,
@@ -39,39 +45,54 @@ from gspo_jax.loss_blocks import (
     policy_metrics,
     row_lengths,
     sequence_log_ratio,
+    sign_aware_log_clip,
+    soft_gate_surrogate,
     token_advantages,
     token_log_ratio,
+    truncated_weight_surrogate,
+    weighted_mask,
 )
+from gspo_jax.mismatch import off_policy_sequence_mask, rollout_correction
+from gspo_jax.variant_losses import cispo_loss, gmpo_loss, sapo_loss, sapo_seq_loss
 
 __all__ = [
-    "AGGREGATIONS", "KL_ESTIMATORS", "LOSSES", "LOSS_DEFAULTS", "Surrogate", "aggregate",
-    "clipped_surrogate", "grpo_loss", "gspo_loss", "gspo_token_loss", "kl_loss", "kl_penalty",
-    "policy_metrics", "row_lengths", "sequence_log_ratio", "token_advantages",
+    "AGGREGATIONS", "KL_ESTIMATORS", "LOSSES", "LOSS_DEFAULTS", "ObjectiveWarning", "Surrogate",
+    "aggregate", "cispo_loss", "clipped_surrogate", "gmpo_loss", "grpo_loss", "gspo_loss",
+    "gspo_token_loss", "kl_loss", "kl_penalty", "luspo_loss", "off_policy_sequence_mask",
+    "policy_metrics", "rollout_correction", "row_lengths", "sapo_loss", "sapo_seq_loss",
+    "sequence_log_ratio", "sign_aware_log_clip", "soft_gate_surrogate", "token_advantages",
     "token_log_ratio", "token_logprobs", "token_logprobs_from_hidden",
+    "truncated_weight_surrogate", "weighted_mask",
 ]
 
 # Each loss's own default hyperparameters (the paper's: GSPO 3e-4 / 4e-4 on the sequence
-# ratio, GRPO 0.2 / 0.27 on the token ratios), and the keyword defaults of the loss
-# functions below. A config takes these unless it sets them.
+# ratio, GRPO 0.2 / 0.27 on the token ratios; LUSPO is GSPO's; SAPO, CISPO and GMPO in
+# `variant_losses.DEFAULTS`), and the keyword defaults of the loss functions. A config takes
+# these unless it sets them.
 LOSS_DEFAULTS = {
     "gspo": {"eps_low": 3e-4, "eps_high": 4e-4},
     "gspo_token": {"eps_low": 3e-4, "eps_high": 4e-4},
     "grpo": {"eps_low": 0.2, "eps_high": 0.27, "aggregation": "seq-mean-token-mean"},
+    "luspo": {"eps_low": 3e-4, "eps_high": 4e-4},
+    **variant_losses.DEFAULTS,
 }
-_GSPO, _GSPO_TOKEN, _GRPO = (LOSS_DEFAULTS[k] for k in ("gspo", "gspo_token", "grpo"))
+_GSPO, _GSPO_TOKEN, _GRPO, _LUSPO = (LOSS_DEFAULTS[k] for k in
+                                     ("gspo", "gspo_token", "grpo", "luspo"))
 
 
-def _check_inputs(fn: str, logp_BxT, old_logp_BxT, adv, mask_BxT, eps_low, eps_high) -> None:
+def _check_inputs(fn: str, logp_BxT, old_logp_BxT, adv, mask_BxT, eps_low, eps_high,
+                  token_weights_BxT=None, per_sequence: str = "") -> None:
   """Checked here too, so that an error names the loss that was called."""
-  _checks.check_token_arrays(fn, mask_BxT, logp_BxT=logp_BxT, old_logp_BxT=old_logp_BxT)
-  _checks.check_rows_or_tokens(fn, "adv", adv, logp_BxT.shape, "logp_BxT")
+  variant_losses.check_inputs(fn, logp_BxT, old_logp_BxT, adv, mask_BxT, token_weights_BxT,
+                              per_sequence=per_sequence)
   _checks.check_positive(fn, "eps_low", eps_low)
   _checks.check_positive(fn, "eps_high", eps_high)
 
 
 def gspo_loss(logp_BxT: Array, old_logp_BxT: Array, adv: Array, mask_BxT: Array, *,
-              eps_low: float = _GSPO["eps_low"],
-              eps_high: float = _GSPO["eps_high"]) -> tuple[Array, Metrics]:
+              eps_low: float = _GSPO["eps_low"], eps_high: float = _GSPO["eps_high"],
+              length_weighting: bool = False,
+              token_weights_BxT: Array | None = None) -> tuple[Array, Metrics]:
   """Sequence-level GSPO loss (paper Eq. 5, negated):
 
     L = -(1/N) sum_i min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i),
@@ -80,6 +101,17 @@ def gspo_loss(logp_BxT: Array, old_logp_BxT: Array, adv: Array, mask_BxT: Array,
   Clipping drops whole responses. Gradient w.r.t. the token log-probs:
   dL/dlogp_it = -m_it a_i s_i A_i / (N n_i), with a_i = 0 for clipped rows.
   Defaults are the paper's clip ranges (3e-4, 4e-4).
+
+  length_weighting=True is length-unbiased GSPO (LUSPO, arXiv 2602.05261): each response's
+  term is weighted by its length, L = -(1/N) sum_i n_i min(...)_i, so every token of a row
+  gets the gradient -a_i s_i A_i / N whatever the row's length, where GSPO's carries 1/n_i
+  (LUSPO reports that GSPO drifts toward shorter responses). Scale: the mean over the N non-empty rows of n_i times GSPO's
+  term, as TRL's `loss_type="luspo"` computes it (up to TRL's division by all B rows);
+  the loss and gradient are larger than GSPO's by about the mean response length, so
+  the learning rate that suits GSPO is about that factor too large for it.
+
+  With `token_weights_BxT` the row's term is broadcast to its tokens and weighted per token:
+  -(1/N) sum_i (1/n_i) sum_t w_it min(...)_i (times n_i with length_weighting).
 
   Args:
     logp_BxT, old_logp_BxT: log-probs of the response tokens under pi_theta and pi_old
@@ -91,24 +123,35 @@ def gspo_loss(logp_BxT: Array, old_logp_BxT: Array, adv: Array, mask_BxT: Array,
     (loss, metrics); metrics as in `policy_metrics`, ratios and clipping of s_i.
   """
   fn = "gspo_loss"
-  if jnp.ndim(adv) != 1:
-    raise ValueError(f"{fn}: adv must have shape (B,) = ({jnp.shape(logp_BxT)[0]},), one "
-                     f"advantage per response; got {jnp.shape(adv)}. For per-token advantages "
-                     "use gspo_token_loss.")
-  _check_inputs(fn, logp_BxT, old_logp_BxT, adv, mask_BxT, eps_low, eps_high)
-  log_s_B = sequence_log_ratio(logp_BxT, old_logp_BxT, mask_BxT)
+  _check_inputs(fn, logp_BxT, old_logp_BxT, adv, mask_BxT, eps_low, eps_high,
+                token_weights_BxT, per_sequence="gspo_token_loss")
+  m = weighted_mask(mask_BxT, token_weights_BxT)
+  log_s_B = sequence_log_ratio(logp_BxT, old_logp_BxT, m)
   # An empty row takes no part in the mean; zeroing its advantage also keeps junk there
   # out of the gradient.
-  adv_B = jnp.where(row_lengths(mask_BxT) > 0, adv, 0)
+  n_B = row_lengths(m)
+  adv_B = jnp.where(n_B > 0, adv, 0)
   surrogate = clipped_surrogate(log_s_B, adv_B, eps_low=eps_low, eps_high=eps_high)
-  pg_loss = -aggregate(surrogate.objective, mask_BxT)
-  l_BxT = token_log_ratio(logp_BxT, old_logp_BxT, mask_BxT)
-  return pg_loss, policy_metrics(pg_loss, surrogate, l_BxT, mask_BxT)
+  objective_B = surrogate.objective * n_B if length_weighting else surrogate.objective
+  pg_loss = -aggregate(objective_B, m, token_weights_BxT=token_weights_BxT)
+  l_BxT = token_log_ratio(logp_BxT, old_logp_BxT, m)
+  return pg_loss, policy_metrics(pg_loss, surrogate, l_BxT, m)
+
+
+def luspo_loss(logp_BxT: Array, old_logp_BxT: Array, adv: Array, mask_BxT: Array, *,
+               eps_low: float = _LUSPO["eps_low"], eps_high: float = _LUSPO["eps_high"],
+               token_weights_BxT: Array | None = None) -> tuple[Array, Metrics]:
+  """`gspo_loss(..., length_weighting=True)`, length-unbiased GSPO (`--set loss=luspo`)."""
+  _check_inputs("luspo_loss", logp_BxT, old_logp_BxT, adv, mask_BxT, eps_low, eps_high,
+                token_weights_BxT, per_sequence="gspo_token_loss")
+  return gspo_loss(logp_BxT, old_logp_BxT, adv, mask_BxT, eps_low=eps_low, eps_high=eps_high,
+                   length_weighting=True, token_weights_BxT=token_weights_BxT)
 
 
 def gspo_token_loss(logp_BxT: Array, old_logp_BxT: Array, adv: Array, mask_BxT: Array, *,
                     eps_low: float = _GSPO_TOKEN["eps_low"],
-                    eps_high: float = _GSPO_TOKEN["eps_high"]) -> tuple[Array, Metrics]:
+                    eps_high: float = _GSPO_TOKEN["eps_high"],
+                    token_weights_BxT: Array | None = None) -> tuple[Array, Metrics]:
   """GSPO-token loss (paper Eqs. 13-14, negated):
 
     s_it = sg[s_i] * pi_theta(y_it) / sg[pi_theta(y_it)]
@@ -126,8 +169,10 @@ def gspo_token_loss(logp_BxT: Array, old_logp_BxT: Array, adv: Array, mask_BxT: 
   Returns:
     (loss, metrics); ratios are s_i, one per non-empty row, clipping is per token.
   """
-  _check_inputs("gspo_token_loss", logp_BxT, old_logp_BxT, adv, mask_BxT, eps_low, eps_high)
+  _check_inputs("gspo_token_loss", logp_BxT, old_logp_BxT, adv, mask_BxT, eps_low, eps_high,
+                token_weights_BxT)
   sg = jax.lax.stop_gradient
+  mask_BxT = weighted_mask(mask_BxT, token_weights_BxT)
   l_BxT = token_log_ratio(logp_BxT, old_logp_BxT, mask_BxT)
   log_s_B = sequence_log_ratio(logp_BxT, old_logp_BxT, mask_BxT)
   # l - sg(l) is exactly 0 in value and has the gradient of log pi_theta (old is a
@@ -136,7 +181,7 @@ def gspo_token_loss(logp_BxT: Array, old_logp_BxT: Array, adv: Array, mask_BxT: 
   log_s_BxT = (l_BxT - sg(l_BxT)) + sg(log_s_B)[:, None]
   surrogate = clipped_surrogate(log_s_BxT, token_advantages(adv, mask_BxT), eps_low=eps_low,
                                 eps_high=eps_high)
-  pg_loss = -aggregate(surrogate.objective, mask_BxT)
+  pg_loss = -aggregate(surrogate.objective, mask_BxT, token_weights_BxT=token_weights_BxT)
   # s_it has the value s_i: report it once per row, as gspo_loss does.
   return pg_loss, policy_metrics(pg_loss, surrogate, l_BxT, mask_BxT, ratio=jnp.exp(log_s_B))
 
@@ -144,7 +189,8 @@ def gspo_token_loss(logp_BxT: Array, old_logp_BxT: Array, adv: Array, mask_BxT: 
 def grpo_loss(logp_BxT: Array, old_logp_BxT: Array, adv: Array, mask_BxT: Array, *,
               eps_low: float = _GRPO["eps_low"], eps_high: float = _GRPO["eps_high"],
               aggregation: str = _GRPO["aggregation"],
-              token_sum_norm: float | None = None) -> tuple[Array, Metrics]:
+              token_sum_norm: float | None = None,
+              token_weights_BxT: Array | None = None) -> tuple[Array, Metrics]:
   """Token-level GRPO loss, the paper's baseline (paper Eq. 2, negated):
 
     w_it = pi_theta(y_it) / pi_old(y_it) = exp(token_log_ratio(...)_it)
@@ -162,26 +208,34 @@ def grpo_loss(logp_BxT: Array, old_logp_BxT: Array, adv: Array, mask_BxT: Array,
     (loss, metrics); ratios and clipping are those of w_it over counted tokens.
   """
   fn = "grpo_loss"
-  _check_inputs(fn, logp_BxT, old_logp_BxT, adv, mask_BxT, eps_low, eps_high)
+  _check_inputs(fn, logp_BxT, old_logp_BxT, adv, mask_BxT, eps_low, eps_high,
+                token_weights_BxT)
   _checks.check_choice(fn, "aggregation", aggregation, AGGREGATIONS)
+  mask_BxT = weighted_mask(mask_BxT, token_weights_BxT)
   l_BxT = token_log_ratio(logp_BxT, old_logp_BxT, mask_BxT)
   surrogate = clipped_surrogate(l_BxT, token_advantages(adv, mask_BxT), eps_low=eps_low,
                                 eps_high=eps_high)
   pg_loss = -aggregate(surrogate.objective, mask_BxT, mode=aggregation,
-                       token_sum_norm=token_sum_norm)
+                       token_sum_norm=token_sum_norm, token_weights_BxT=token_weights_BxT)
   return pg_loss, policy_metrics(pg_loss, surrogate, l_BxT, mask_BxT)
 
 
-LOSSES = {"gspo": gspo_loss, "gspo_token": gspo_token_loss, "grpo": grpo_loss}
+LOSSES = {"gspo": gspo_loss, "gspo_token": gspo_token_loss, "grpo": grpo_loss,
+          "luspo": luspo_loss, "sapo": sapo_loss, "sapo_seq": sapo_seq_loss,
+          "cispo": cispo_loss, "gmpo": gmpo_loss}
 
 
 def kl_loss(logp_BxT: Array, ref_logp_BxT: Array, mask_BxT: Array, *, estimator: str = "k3",
             aggregation: str = "seq-mean-token-mean",
-            token_sum_norm: float | None = None) -> tuple[Array, Metrics]:
+            token_sum_norm: float | None = None,
+            token_weights_BxT: Array | None = None) -> tuple[Array, Metrics]:
   """The KL(pi_theta || pi_ref) term a train step adds as `kl_coef * kl`:
 
     kl = aggregate(kl_penalty(logp_BxT, ref_logp_BxT, mask_BxT, estimator), mask_BxT,
                    mode=aggregation, token_sum_norm=token_sum_norm)
+
+  `token_weights_BxT`: pass the policy loss's to weight (and drop) the same tokens (TRL
+  multiplies the KL term by its importance weights too).
 
   Pass the policy loss's aggregation (and token_sum_norm); GSPO and GSPO-token aggregate
   seq-mean-token-mean. `ref_logp_BxT` is a constant. The paper's objectives have no KL
@@ -194,6 +248,8 @@ def kl_loss(logp_BxT: Array, ref_logp_BxT: Array, mask_BxT: Array, *, estimator:
   _checks.check_token_arrays(fn, mask_BxT, logp_BxT=logp_BxT, ref_logp_BxT=ref_logp_BxT)
   _checks.check_choice(fn, "estimator", estimator, KL_ESTIMATORS)
   _checks.check_choice(fn, "aggregation", aggregation, AGGREGATIONS)
+  mask_BxT = weighted_mask(mask_BxT, token_weights_BxT)
   kl_BxT = kl_penalty(logp_BxT, ref_logp_BxT, mask_BxT, estimator=estimator)
-  kl = aggregate(kl_BxT, mask_BxT, mode=aggregation, token_sum_norm=token_sum_norm)
+  kl = aggregate(kl_BxT, mask_BxT, mode=aggregation, token_sum_norm=token_sum_norm,
+                 token_weights_BxT=token_weights_BxT)
   return kl, {"kl": jax.lax.stop_gradient(kl)}

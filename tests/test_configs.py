@@ -89,7 +89,8 @@ def test_help_lists_every_training_field(capsys):
       flag = "--" + path.replace("_", "-")
       assert flag in text, flag
   assert "--seed INT (default: 3)" in text  # the value after --config and --set
-  assert "--loss {gspo,gspo_token,grpo} a key of losses.LOSSES (default: gspo)" in text
+  assert ("--loss {gspo,gspo_token,grpo,luspo,sapo,sapo_seq,cispo,gmpo} a key of "
+          "losses.LOSSES (default: gspo)") in text
   # A comment above a field describes that field only, not the ones after it.
   assert "--iterations INT (default: 300)" in text
   assert "--num-minibatches INT (default: 4)" in text

@@ -14,6 +14,7 @@ op: XLA's simplifications inside one program can hide a NaN that eager execution
 import functools
 import inspect
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -458,9 +459,11 @@ def test_signature_and_keyword_defaults_are_loss_defaults(name):
   defaults = {k: p.default for k, p in params.items() if p.kind is p.KEYWORD_ONLY}
   table = L.LOSS_DEFAULTS[name]
   assert {k: defaults.get(k, "missing") for k in table} == table
-  # No KL arguments (the KL term is kl_loss); token_sum_norm (None = T) is GRPO's only extra.
-  assert set(defaults) - set(table) == ({"token_sum_norm"} if name == "grpo" else set())
-  assert set(L.LOSS_DEFAULTS) == set(LOSSES)
+  # No KL arguments (the KL term is kl_loss); besides the token weights every loss takes,
+  # token_sum_norm (None = T) is GRPO's only extra and length_weighting (LUSPO) GSPO's.
+  extra = {"grpo": {"token_sum_norm"}, "gspo": {"length_weighting"}}.get(name, set())
+  assert set(defaults) - set(table) == extra | {"token_weights_BxT"}
+  assert set(L.LOSS_DEFAULTS) == set(L.LOSSES) >= set(LOSSES)
 
 
 def test_clipped_surrogate_hand_values(dtype, tol):
@@ -500,7 +503,12 @@ def test_row_lengths_token_advantages_and_per_sequence_aggregate(dtype, tol):
   want = {"seq-mean-token-mean": (1 - 1 - 2 + 0.5) / 4, "token-mean": -0.5 / 9,
           "seq-mean-token-sum-norm": -0.5 / (4 * 3)}
   for mode, value in want.items():
-    np.testing.assert_allclose(L.aggregate(x_B, mask, mode=mode), value, err_msg=mode, **tol)
+    # Any mode but seq-mean-token-mean length-weights a per-sequence x_B: warned.
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      np.testing.assert_allclose(L.aggregate(x_B, mask, mode=mode), value, err_msg=mode, **tol)
+    assert [w.category for w in caught] == ([] if mode == "seq-mean-token-mean" else
+                                            [L.ObjectiveWarning]), mode
     np.testing.assert_allclose(L.aggregate(adv_BxT, mask, mode=mode), value, err_msg=mode, **tol)
 
 
