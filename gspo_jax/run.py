@@ -37,9 +37,8 @@ class Run:
     """The run's prompts as ids: (ids_BxP, lens_B) padded to rollout.max_prompt_len. A
     prompt rendered by the tokenizer's chat template already holds its special tokens and
     is encoded without adding any, as transformers' apply_chat_template does."""
-    rendered = getattr(self.task, "render", None) is not None
     return text.encode_prompts(self.tok, prompts, self.cfg.rollout.max_prompt_len,
-                               add_special_tokens=not rendered)
+                               add_special_tokens=not _rendered(self.task))
 
   def reconfigure(self, cfg: TrainConfig) -> "Run":
     """The same run and state with other loss settings (the programs are rebuilt)."""
@@ -48,6 +47,10 @@ class Run:
     return dataclasses.replace(self, cfg=cfg, layout=layout,
                                programs=make_programs(self.graphdef, self.tx, cfg, layout,
                                                       self.tok))
+
+
+def _rendered(task) -> bool:
+  return getattr(task, "render", None) is not None
 
 
 def _layout(params, tx, mesh, cfg: TrainConfig) -> Layout:
@@ -98,7 +101,7 @@ def check_prompts(task, tok, cfg: TrainConfig) -> None:
   from gspo_jax.tasks.dataset import SOURCE, DatasetTask
   if not isinstance(task, DatasetTask):
     return
-  rendered = getattr(task, "render", None) is not None
+  rendered = _rendered(task)  # encoded as Run.encode_prompts encodes them
   limit = cfg.rollout.max_prompt_len
   for example in task._train + task._heldout:  # the rendered examples the run draws from
     if not example.meta[cfg.data.prompt_field].strip():
@@ -123,15 +126,16 @@ def setup(cfg: TrainConfig, run_dir: str) -> Run:
     from gspo_jax.models import hf
     tok = load_tokenizer(cfg.pretrained)
     task = with_chat_template(task, tok, cfg)
+    check_prompts(task, tok, cfg)  # before loading the weights
     model = hf.load(cfg.pretrained, mesh=mesh, param_dtype=cfg.pretrained_dtype or None)
     cfg = dataclasses.replace(cfg, model=model.cfg)
     check_routing(cfg)
   else:
     tok = make_tokenizer(task, cfg, run_dir)
+    check_prompts(task, tok, cfg)
     model = sharding.init_sharded(Transformer, cfg.model, mesh, cfg.seed)
   if tok.vocab_size > cfg.model.vocab_size:
     raise ValueError(f"tokenizer has {tok.vocab_size} ids > model.vocab_size={cfg.model.vocab_size}")
-  check_prompts(task, tok, cfg)
   tx = make_optimizer(cfg.optim)
   graphdef, params = nnx.split(model, nnx.Param)
   layout = _layout(params, tx, mesh, cfg)

@@ -115,8 +115,9 @@ class _Signals:
     if self.signum is not None and signum == signal.SIGINT:
       raise KeyboardInterrupt
     self.signum = self.signum or signum
-    _log(f"\n{signal.Signals(signum).name}: stopping after a checkpoint at the end of this "
-         "iteration (Ctrl-C again stops at once, without saving)")
+    if jax.process_index() == 0:  # os.write: a print here could re-enter a print in progress
+      os.write(1, f"\n{signal.Signals(signum).name}: stopping after a checkpoint at the end "
+               "of this iteration (Ctrl-C again stops at once, without saving)\n".encode())
 
   def requested(self) -> int | None:
     mine = self.signum or 0
@@ -132,11 +133,11 @@ class _Signals:
 
 def check_checkpoint_args(checkpoint_every: int, keep: int) -> None:
   if keep < 1:
-    raise rundir.RunDirError(f"--keep-checkpoints must be >= 1 (the newest checkpoint is the run); "
-                     f"got {keep}")
+    raise rundir.RunDirError(f"--keep-checkpoints must be >= 1 (the newest checkpoint is "
+                             f"the run); got {keep}")
   if checkpoint_every < 0:
-    raise rundir.RunDirError(f"--checkpoint-every must be >= 0 (0 = only the step-0, final and "
-                     f"signal saves); got {checkpoint_every}")
+    raise rundir.RunDirError(f"--checkpoint-every must be >= 0 (0 = only the step-0, final "
+                             f"and signal saves); got {checkpoint_every}")
 
 
 def train(cfg: TrainConfig, run_dir: str, *, resume: bool = False, checkpoint_every: int = 10,
@@ -154,8 +155,9 @@ def train(cfg: TrainConfig, run_dir: str, *, resume: bool = False, checkpoint_ev
   ckpt_dir = os.path.join(run_dir, "checkpoints")
   steps = checkpoint.complete_steps(ckpt_dir)
   if not resume and steps:
-    raise rundir.RunDirError(f"{run_dir!r} already holds checkpoints (newest: step {steps[-1]}); "
-                     "pass --resume to continue it, or choose a new --run-dir")
+    raise rundir.RunDirError(f"{run_dir!r} already holds checkpoints (newest: step "
+                             f"{steps[-1]}); pass --resume to continue it, or choose a new "
+                             "--run-dir; nothing in it was changed")
   saved = rundir.load_saved_config(run_dir, TrainConfig) if resume else None
   if saved is not None:
     rundir.check_resume(saved, cfg, _log)
