@@ -96,8 +96,8 @@ def check_prompts(task, tok, cfg: TrainConfig) -> None:
   """Every record of a dataset task, train and held-out, as the model will see it (chat
   template included): ValueError naming the record's file:line when its prompt is empty
   (blank) or encodes to more than rollout.max_prompt_len tokens. Built-in tasks fit by
-  construction. About 1 s per 100k short records with the task tokenizer
-  (tests/test_run_dir.py prints the time)."""
+  construction. Linear in the records (tests/test_run_dir.py times 100k; the number is
+  in docs/training.md)."""
   from gspo_jax.tasks.dataset import SOURCE, DatasetTask
   if not isinstance(task, DatasetTask):
     return

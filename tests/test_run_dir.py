@@ -341,9 +341,9 @@ def test_dataset_prompts_are_checked_at_start_up_with_file_and_line(tmp_path):
   check_prompts(task, FakeTok(), dataset_cfg(path))
   pretrained = dataset_cfg(path, pretrained="some/dir")
   rendered = with_chat_template(task, FakeTok(), pretrained)
-  with pytest.raises(ValueError, match=r"d.jsonl:1: the prompt is 29 tokens"):
+  with pytest.raises(ValueError, match=r"d.jsonl:1: the prompt is 26 tokens"):
     check_prompts(rendered, FakeTok(), pretrained)
-  check_prompts(rendered, FakeTok(), dataset_cfg(path, 29, pretrained="some/dir"))
+  check_prompts(rendered, FakeTok(), dataset_cfg(path, 26, pretrained="some/dir"))
 
 
 def test_a_too_long_dataset_prompt_stops_the_run_before_any_work(tmp_path):
@@ -380,3 +380,48 @@ def test_checking_100k_dataset_prompts_is_fast(tmp_path):
   t3 = time.perf_counter()
   print(f"\n{n} records: read {t1 - t0:.2f} s, tokenized and checked {t3 - t2:.2f} s")
   assert t3 - t2 < 30  # about 1 s on this project's 2-core machine
+
+
+def test_ctrl_c_saves_at_the_next_boundary_and_says_how_to_resume(files, tmp_path, monkeypatch,
+                                                                   capsys):
+  from gspo_jax import metrics
+  write = metrics.MetricsWriter.write
+
+  def spy(self, step, m, **kw):
+    write(self, step, m, **kw)
+    if step == 1:
+      os.kill(os.getpid(), signal.SIGINT)  # a real Ctrl-C, in iteration 2
+
+  monkeypatch.setattr(metrics.MetricsWriter, "write", spy)
+  args = ["--config", str(files / "cfg.py"), "--run-dir", str(tmp_path), "--no-progress",
+          "--checkpoint-every", "0"]
+  with pytest.raises(SystemExit) as e:
+    T.main(args)
+  assert e.value.code == 128 + signal.SIGINT
+  out = capsys.readouterr().out
+  assert "stopped by SIGINT at step 2" in out
+  assert f"python -m gspo_jax.train {' '.join(args)} --resume" in out
+  assert checkpoint.complete_steps(str(tmp_path / "checkpoints")) == [0, 2]
+  assert [r["step"] for r in records(tmp_path)] == [1, 2]
+  assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+
+
+def test_a_second_ctrl_c_stops_at_once_and_hosts_agree(monkeypatch):
+  signals = T._Signals()
+  signals.install(signal.SIGINT, signal.SIGTERM)
+  try:
+    assert signals.requested() is None
+    os.kill(os.getpid(), signal.SIGINT)
+    assert signals.requested() == signal.SIGINT
+    with pytest.raises(KeyboardInterrupt):
+      os.kill(os.getpid(), signal.SIGINT)
+  finally:
+    signals.restore()
+  assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+  # Multi-host: a signal on any host stops every host (the largest signal number wins).
+  from jax.experimental import multihost_utils
+  import numpy as np
+  monkeypatch.setattr(T.jax, "process_count", lambda: 2)
+  monkeypatch.setattr(multihost_utils, "process_allgather",
+                      lambda x: np.asarray([int(x), signal.SIGTERM]))
+  assert T._Signals().requested() == signal.SIGTERM
