@@ -46,7 +46,7 @@ def set_aside_incomplete(directory: str) -> list[str]:
     path = os.path.join(directory, name)
     if name.isdigit() and os.path.isdir(path) and not os.path.exists(
         os.path.join(path, "_CHECKPOINT_METADATA")):
-      os.rename(path, path + ".incomplete")
+      os.rename(path, _free_name(path + ".incomplete"))
       moved.append(name)
   return moved
 
@@ -92,8 +92,10 @@ class Checkpointer:
     state = jax.tree.map(_to_savable, state)
     return self.manager.save(step, args=ocp.args.StandardSave(state), force=force)
 
-  def restore(self, abstract_state, step: int):
-    """The state saved at `step` (ValueError naming the step and orbax's error)."""
+  def restore(self, abstract_state, step: int | None = None):
+    """The state saved at `step` (default: the newest; no fallback, see `restore_newest`);
+    ValueError naming the step and orbax's error."""
+    step = self.latest_step() if step is None else step
     template = jax.tree.map(_to_savable, abstract_state)
     try:
       restored = self.manager.restore(step, args=ocp.args.StandardRestore(template))
@@ -119,7 +121,7 @@ class Checkpointer:
         if jax.process_index() == 0:
           for bad, _ in failed:
             path = os.path.join(self.directory, str(bad))
-            os.rename(path, path + ".damaged")
+            os.rename(path, _free_name(path + ".damaged"))
         sharding.barrier("checkpoint_set_aside")
         self.manager.reload()
       return step, state
@@ -131,6 +133,15 @@ class Checkpointer:
   def close(self) -> None:
     self.manager.wait_until_finished()
     self.manager.close()
+
+
+def _free_name(path: str) -> str:
+  """`path`, or `path.1`, `path.2`, ... when it is taken (never overwrite what was set aside)."""
+  n, out = 0, path
+  while os.path.exists(out):
+    n += 1
+    out = f"{path}.{n}"
+  return out
 
 
 def _to_savable(x):

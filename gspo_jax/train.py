@@ -161,6 +161,9 @@ def train(cfg: TrainConfig, run_dir: str, *, resume: bool = False, checkpoint_ev
   saved = rundir.load_saved_config(run_dir, TrainConfig) if resume else None
   if saved is not None:
     rundir.check_resume(saved, cfg, _log)
+  elif resume and steps:
+    _log(f"--resume: {run_dir} has checkpoints but no {rundir.CONFIG}: the requested config "
+         "cannot be compared with the saved run's")
   run = setup(cfg, run_dir)
   checkpoint.check_free_space(run_dir, run.state, keep)
   cfg = run.cfg  # with `model` filled in from a pretrained directory
