@@ -10,6 +10,11 @@ One iteration (each device phase one compiled program, `gspo_jax.programs`):
 The loop keeps the step counter on the host and fetches each iteration's metrics one
 iteration late, so the host never waits for an update it does not need yet: the next
 rollout's sampler is queued behind it. The module map is in README.md.
+
+SIGTERM (preemption) and Ctrl-C save a checkpoint at the next iteration boundary and exit
+with 128 + the signal number, printing the command that resumes; the run directory's
+rules (what a resume compares, what is cut back) are in `gspo_jax/rundir.py`, the faults
+tried and what each keeps in docs/training.md.
 """
 
 from __future__ import annotations

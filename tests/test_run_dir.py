@@ -169,6 +169,9 @@ def test_refused_start_and_resume_change_nothing(files, full, tmp_path, capsys):
   assert checksums(run_dir) == before
 
 
+# orbax's failed read of the damaged step leaves a tensorstore callback that fires after
+# its event loop closed ("Event loop is closed", ignored by Python): noise, not a failure.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_damaged_newest_checkpoint_falls_back_and_is_kept(full, tmp_path, capsys):
   from gspo_jax import evaluate
   run_dir = tmp_path / "copy"
