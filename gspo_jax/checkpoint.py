@@ -3,6 +3,11 @@ iterations, keeping the last K. The data stream is a pure function of (seed, ste
 step is the data-stream position. orbax writes to a temporary directory and renames it when
 the save is complete, so a half-written checkpoint is never listed; restore takes the newest
 complete one. Saves are synchronous here: an open async save would hang the process at exit.
+
+A checkpoint whose data does not restore (damaged files behind complete metadata) is named
+with its step and error; restore falls back to the newest one that does, and sets the
+damaged ones aside as `<step>.damaged` (never deleted). If none restores, nothing is moved:
+the same error on every step means the template (the config) is wrong, not the data.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ import shutil
 
 import jax
 import orbax.checkpoint as ocp
+
+from gspo_jax import sharding
 
 
 def check_writable(directory: str) -> None:
@@ -39,9 +46,17 @@ def set_aside_incomplete(directory: str) -> list[str]:
     path = os.path.join(directory, name)
     if name.isdigit() and os.path.isdir(path) and not os.path.exists(
         os.path.join(path, "_CHECKPOINT_METADATA")):
-      os.rename(path, path + ".incomplete")
+      os.rename(path, _free_name(path + ".incomplete"))
       moved.append(name)
   return moved
+
+
+def complete_steps(directory: str) -> list[int]:
+  """Steps of the complete checkpoints in `directory`, read without writing anything."""
+  if not os.path.isdir(directory):
+    return []
+  return sorted(int(n) for n in os.listdir(directory) if n.isdigit() and os.path.exists(
+      os.path.join(directory, n, "_CHECKPOINT_METADATA")))
 
 
 def check_free_space(directory: str, state, keep: int) -> None:
@@ -59,7 +74,7 @@ def check_free_space(directory: str, state, keep: int) -> None:
 class Checkpointer:
   def __init__(self, directory: str, *, every: int, keep: int):
     self.every = every
-    directory = os.path.abspath(directory)
+    self.directory = directory = os.path.abspath(directory)
     if jax.process_index() == 0:
       for step in set_aside_incomplete(directory):
         print(f"checkpoint step {step} in {directory} is incomplete: set aside as "
@@ -78,14 +93,55 @@ class Checkpointer:
     return self.manager.save(step, args=ocp.args.StandardSave(state), force=force)
 
   def restore(self, abstract_state, step: int | None = None):
+    """The state saved at `step` (default: the newest; no fallback, see `restore_newest`);
+    ValueError naming the step and orbax's error."""
     step = self.latest_step() if step is None else step
     template = jax.tree.map(_to_savable, abstract_state)
-    restored = self.manager.restore(step, args=ocp.args.StandardRestore(template))
+    try:
+      restored = self.manager.restore(step, args=ocp.args.StandardRestore(template))
+    except Exception as e:  # noqa: BLE001 - orbax / tensorstore raise many kinds
+      raise ValueError(f"checkpoint step {step} in {self.directory} does not restore: "
+                       f"{type(e).__name__}: {str(e)[:400]}") from e
     return jax.tree.map(_from_savable, abstract_state, restored)
+
+  def restore_newest(self, abstract_state, *, set_aside: bool = True, log=print):
+    """(step, state) of the newest checkpoint that restores. Newer ones that do not are
+    named (step and error) and, with set_aside, renamed to `<step>.damaged`."""
+    failed = []
+    for step in sorted(self.manager.all_steps(), reverse=True):
+      try:
+        state = self.restore(abstract_state, step)
+      except ValueError as e:
+        failed.append((step, e))
+        continue
+      for bad, e in failed:
+        kept = f"; set aside as {bad}.damaged" if set_aside else ""
+        log(f"{e}\nusing step {step}, the newest checkpoint that restores{kept}")
+      if set_aside and failed:
+        if jax.process_index() == 0:
+          for bad, _ in failed:
+            path = os.path.join(self.directory, str(bad))
+            os.rename(path, _free_name(path + ".damaged"))
+        sharding.barrier("checkpoint_set_aside")
+        self.manager.reload()
+      return step, state
+    if not failed:
+      raise ValueError(f"no complete checkpoint in {self.directory}")
+    raise ValueError("no checkpoint restores (nothing was moved):\n" +
+                     "\n".join(str(e) for _, e in failed))
 
   def close(self) -> None:
     self.manager.wait_until_finished()
     self.manager.close()
+
+
+def _free_name(path: str) -> str:
+  """`path`, or `path.1`, `path.2`, ... when it is taken (never overwrite what was set aside)."""
+  n, out = 0, path
+  while os.path.exists(out):
+    n += 1
+    out = f"{path}.{n}"
+  return out
 
 
 def _to_savable(x):

@@ -28,7 +28,8 @@ class MetricsWriter:
       return
     os.makedirs(directory, exist_ok=True)
     from tensorboardX import SummaryWriter
-    self.jsonl = open(os.path.join(directory, "metrics.jsonl"), "a")
+    # Unbuffered: each record is one write, and a failed one is cut off again (`write`).
+    self.jsonl = open(os.path.join(directory, "metrics.jsonl"), "ab", buffering=0)
     self.tb = SummaryWriter(os.path.join(directory, "tb"))
     if progress:
       from tqdm import tqdm
@@ -38,14 +39,25 @@ class MetricsWriter:
     if not self.enabled:
       return
     record = {"step": int(step), **{k: _scalar(v) for k, v in metrics.items()}}
-    self.jsonl.write(json.dumps(record, allow_nan=True) + "\n")
-    self.jsonl.flush()
+    self._append((json.dumps(record, allow_nan=True) + "\n").encode())
     for k, v in record.items():
       if k != "step" and math.isfinite(v):
         self.tb.add_scalar(k, v, step)
     if self.bar is not None:
       self.bar.set_postfix({k: f"{record[k]:.4g}" for k in show if k in record}, refresh=False)
       self.bar.update(1)
+
+  def _append(self, line: bytes) -> None:
+    """Write the record whole or not at all: a write that fails part-way (a full disk) is
+    truncated back, so the file always parses as JSON lines."""
+    start = os.fstat(self.jsonl.fileno()).st_size
+    try:
+      view = memoryview(line)
+      while view:
+        view = view[self.jsonl.write(view):]
+    except OSError:
+      self.jsonl.truncate(start)
+      raise
 
   def print(self, text: str) -> None:
     if not self.enabled:

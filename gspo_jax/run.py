@@ -37,9 +37,8 @@ class Run:
     """The run's prompts as ids: (ids_BxP, lens_B) padded to rollout.max_prompt_len. A
     prompt rendered by the tokenizer's chat template already holds its special tokens and
     is encoded without adding any, as transformers' apply_chat_template does."""
-    rendered = getattr(self.task, "render", None) is not None
     return text.encode_prompts(self.tok, prompts, self.cfg.rollout.max_prompt_len,
-                               add_special_tokens=not rendered)
+                               add_special_tokens=not _rendered(self.task))
 
   def reconfigure(self, cfg: TrainConfig) -> "Run":
     """The same run and state with other loss settings (the programs are rebuilt)."""
@@ -48,6 +47,10 @@ class Run:
     return dataclasses.replace(self, cfg=cfg, layout=layout,
                                programs=make_programs(self.graphdef, self.tx, cfg, layout,
                                                       self.tok))
+
+
+def _rendered(task) -> bool:
+  return getattr(task, "render", None) is not None
 
 
 def _layout(params, tx, mesh, cfg: TrainConfig) -> Layout:
@@ -89,6 +92,28 @@ def make_tokenizer(task, cfg: TrainConfig, run_dir: str):
   return SentencePieceTokenizer.load(run_dir)
 
 
+def check_prompts(task, tok, cfg: TrainConfig) -> None:
+  """Every record of a dataset task, train and held-out, as the model will see it (chat
+  template included): ValueError naming the record's file:line when its prompt is empty
+  (blank) or encodes to more than rollout.max_prompt_len tokens. Built-in tasks fit by
+  construction. Linear in the records (tests/test_run_dir.py times 100k; the number is
+  in docs/training.md)."""
+  from gspo_jax.tasks.dataset import SOURCE, DatasetTask
+  if not isinstance(task, DatasetTask):
+    return
+  rendered = _rendered(task)  # encoded as Run.encode_prompts encodes them
+  limit = cfg.rollout.max_prompt_len
+  for example in task._train + task._heldout:  # the rendered examples the run draws from
+    if not example.meta[cfg.data.prompt_field].strip():
+      raise ValueError(f"{example.meta[SOURCE]}: the prompt ({cfg.data.prompt_field!r}) "
+                       "is empty")
+    n = len(tok.encode(example.prompt, add_special_tokens=not rendered))
+    if n > limit:
+      raise ValueError(f"{example.meta[SOURCE]}: the prompt is {n} tokens as the model sees "
+                       f"it, longer than rollout.max_prompt_len={limit}: "
+                       f"{example.prompt[:80]!r}")
+
+
 def setup(cfg: TrainConfig, run_dir: str) -> Run:
   """Mesh, task, tokenizer, the sharded model and optimiser state, the compiled programs."""
   from gspo_jax.models.transformer import Transformer
@@ -101,11 +126,13 @@ def setup(cfg: TrainConfig, run_dir: str) -> Run:
     from gspo_jax.models import hf
     tok = load_tokenizer(cfg.pretrained)
     task = with_chat_template(task, tok, cfg)
+    check_prompts(task, tok, cfg)  # before loading the weights
     model = hf.load(cfg.pretrained, mesh=mesh, param_dtype=cfg.pretrained_dtype or None)
     cfg = dataclasses.replace(cfg, model=model.cfg)
     check_routing(cfg)
   else:
     tok = make_tokenizer(task, cfg, run_dir)
+    check_prompts(task, tok, cfg)
     model = sharding.init_sharded(Transformer, cfg.model, mesh, cfg.seed)
   if tok.vocab_size > cfg.model.vocab_size:
     raise ValueError(f"tokenizer has {tok.vocab_size} ids > model.vocab_size={cfg.model.vocab_size}")
@@ -122,9 +149,10 @@ def load_run(run_dir: str, step: int | None = None) -> Run:
   run = setup(cfg, run_dir)
   ckpt = checkpoint.Checkpointer(os.path.join(run_dir, "checkpoints"), every=0, keep=1)
   try:
-    if ckpt.latest_step() is None:
-      raise ValueError(f"no complete checkpoint in {run_dir!r}")
-    run.state = ckpt.restore(run.state, step)
+    if step is not None:
+      run.state = ckpt.restore(run.state, step)
+    else:  # a read-only command: a damaged newest checkpoint is named, not moved
+      run.state = ckpt.restore_newest(run.state, set_aside=False)[1]
   finally:
     ckpt.close()
   return run
@@ -146,6 +174,6 @@ def reference_params(run: Run, run_dir: str, *, fresh: bool):
     if ckpt.latest_step() is None:
       raise ValueError(f"kl_coef > 0 but {run_dir!r} has no saved reference policy "
                        "(the run was started with kl_coef = 0)")
-    return ckpt.restore(run.state.params)
+    return ckpt.restore(run.state.params, ckpt.latest_step())
   finally:
     ckpt.close()

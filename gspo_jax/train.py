@@ -10,18 +10,28 @@ One iteration (each device phase one compiled program, `gspo_jax.programs`):
 The loop keeps the step counter on the host and fetches each iteration's metrics one
 iteration late, so the host never waits for an update it does not need yet: the next
 rollout's sampler is queued behind it. The module map is in README.md.
+
+SIGTERM (preemption) and Ctrl-C save a checkpoint at the next iteration boundary and exit
+with 128 + the signal number, printing the command that resumes; the run directory's
+rules (what a resume compares, what is cut back) are in `gspo_jax/rundir.py`, the faults
+tried and what each keeps in docs/training.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shlex
+import signal
+import sys
+import threading
 import time
 from typing import Any
 
 import jax
+import numpy as np
 
-from gspo_jax import checkpoint, coldstart, configlib, evaluate, metrics
+from gspo_jax import checkpoint, coldstart, configlib, evaluate, metrics, rundir
 from gspo_jax.config import TrainConfig
 from gspo_jax.rollout import rollout_step
 from gspo_jax.run import Run, heldout, reference_params, setup
@@ -34,16 +44,26 @@ def _log(*args):
     print(*args, flush=True)
 
 
+class Stop(Exception):
+  """Raised by an on_step hook to end `iterate` after this iteration (its metrics are
+  still delivered); `extra` is what on_step would have returned."""
+
+  def __init__(self, extra=None):
+    super().__init__()
+    self.extra = extra or {}
+
+
 def iterate(run: Run, start: int, stop: int, *, ref_params=None, on_metrics=None,
-            on_step=None) -> None:
-  """RL iterations start..stop-1 on `run.state`.
+            on_step=None) -> int:
+  """RL iterations start..stop-1 on `run.state`; returns the step reached.
 
   on_metrics(step, metrics) gets each iteration's metrics (host floats) once they are
   fetched, one iteration late (the last one at the end); on_step(step) runs after the
   update of iteration step - 1 is dispatched (evaluation, checkpoints) and may add to the
-  metrics it returns (a dict, or None)."""
+  metrics it returns (a dict, or None), or raise `Stop` to end the loop at `step`."""
   pending = None
   last = time.perf_counter()
+  step = start
   for it in range(start, stop):
     r = rollout_step(run, run.state.params, run.state.key, it, ref_params, log=_log)
     run.state, update_metrics = run.programs.update(run.state, r.batch, r.rewards_BxG)
@@ -52,10 +72,17 @@ def iterate(run: Run, start: int, stop: int, *, ref_params=None, on_metrics=None
     now = time.perf_counter()
     host = {**r.stats, "time_iteration": now - last}
     last = now
-    extra = (on_step(it + 1) if on_step is not None else None) or {}
-    pending = (it + 1, update_metrics, r.device_stats, {**host, **extra})
+    step, stopping = it + 1, False
+    try:
+      extra = (on_step(step) if on_step is not None else None) or {}
+    except Stop as e:
+      extra, stopping = e.extra, True
+    pending = (step, update_metrics, r.device_stats, {**host, **extra})
+    if stopping:
+      break
   if pending is not None and on_metrics is not None:
     on_metrics(*_fetch(*pending))
+  return step
 
 
 def _fetch(step: int, update_metrics, device_stats, host):
@@ -64,39 +91,112 @@ def _fetch(step: int, update_metrics, device_stats, host):
   return step, m
 
 
+class Interrupted(RuntimeError):
+  """The run stopped on SIGTERM / SIGINT after saving a checkpoint at `step`."""
+
+  def __init__(self, signum: int, step: int, run_dir: str):
+    self.signum, self.step, self.run_dir = signum, step, run_dir
+    super().__init__(f"stopped by {signal.Signals(signum).name} at step {step}: checkpoint "
+                     f"saved in {run_dir}; resume with the same command and --resume")
+
+
+class _Signals:
+  """SIGTERM (preemption: Cloud TPU spot / preemptible VMs get it before they go away) and
+  SIGINT (Ctrl-C) ask for a stop at the next iteration boundary; a second Ctrl-C stops at
+  once (KeyboardInterrupt). `requested()` is the same on every host: the steps where it is
+  asked are the same on all of them, and it is true where any host got a signal."""
+
+  def __init__(self):
+    self.signum = None
+    self.previous = {}
+
+  def install(self, *signums) -> None:
+    if threading.current_thread() is not threading.main_thread():
+      return  # only the main thread may install handlers
+    for signum in signums:
+      self.previous.setdefault(signum, signal.signal(signum, self._handle))
+
+  def _handle(self, signum, frame):
+    if self.signum is not None and signum == signal.SIGINT:
+      raise KeyboardInterrupt
+    self.signum = self.signum or signum
+    if jax.process_index() == 0:  # os.write: a print here could re-enter a print in progress
+      os.write(1, f"\n{signal.Signals(signum).name}: stopping after a checkpoint at the end "
+               "of this iteration (Ctrl-C again stops at once, without saving)\n".encode())
+
+  def requested(self) -> int | None:
+    mine = self.signum or 0
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils
+      mine = int(np.max(multihost_utils.process_allgather(np.int32(mine))))
+    return mine or None
+
+  def restore(self) -> None:
+    for signum, handler in self.previous.items():
+      signal.signal(signum, handler)
+
+
+def check_checkpoint_args(checkpoint_every: int, keep: int) -> None:
+  if keep < 1:
+    raise rundir.RunDirError(f"--keep-checkpoints must be >= 1 (the newest checkpoint is "
+                             f"the run); got {keep}")
+  if checkpoint_every < 0:
+    raise rundir.RunDirError(f"--checkpoint-every must be >= 0 (0 = only the step-0, final "
+                             f"and signal saves); got {checkpoint_every}")
+
+
 def train(cfg: TrainConfig, run_dir: str, *, resume: bool = False, checkpoint_every: int = 10,
           keep: int = 3, progress: bool = True) -> dict[str, Any]:
   """Cold start (unless resuming), then `cfg.iterations` GSPO iterations. Returns a summary.
 
+  Everything that can refuse the start (arguments, an existing run without --resume, a
+  resume whose config changes the saved state's meaning) is checked before anything is
+  written (`gspo_jax/rundir.py`). On SIGTERM / SIGINT a checkpoint is saved at the next
+  iteration boundary and `Interrupted` is raised.
+
   Multi-host: every process calls this with the same arguments after
   `jax.distributed.initialize`; `run_dir` must be shared by all hosts."""
+  check_checkpoint_args(checkpoint_every, keep)
+  ckpt_dir = os.path.join(run_dir, "checkpoints")
+  steps = checkpoint.complete_steps(ckpt_dir)
+  if not resume and steps:
+    raise rundir.RunDirError(f"{run_dir!r} already holds checkpoints (newest: step "
+                             f"{steps[-1]}); pass --resume to continue it, or choose a new "
+                             "--run-dir; nothing in it was changed")
+  saved = rundir.load_saved_config(run_dir, TrainConfig) if resume else None
+  if saved is not None:
+    rundir.check_resume(saved, cfg, _log)
+  elif resume and steps:
+    _log(f"--resume: {run_dir} has checkpoints but no {rundir.CONFIG}: the requested config "
+         "cannot be compared with the saved run's")
   run = setup(cfg, run_dir)
   checkpoint.check_free_space(run_dir, run.state, keep)
   cfg = run.cfg  # with `model` filled in from a pretrained directory
-  ckpt = checkpoint.Checkpointer(os.path.join(run_dir, "checkpoints"), every=checkpoint_every,
-                                 keep=keep)
+  ckpt = checkpoint.Checkpointer(ckpt_dir, every=checkpoint_every, keep=keep)
   writer = None
+  signals = _Signals()
+  signals.install(signal.SIGTERM)  # a preemption in the cold start: stop once step 0 is saved
   try:
-    if not resume and ckpt.latest_step() is not None:
-      raise ValueError(f"{run_dir!r} already holds checkpoints (newest: step "
-                       f"{ckpt.latest_step()}); pass --resume to continue it, or choose a new "
-                       "--run-dir")
-    if jax.process_index() == 0:
-      configlib.save_json(cfg, os.path.join(run_dir, "config.json"))
     held = heldout(run.task, cfg)
     if not held:
       _log("no held-out set (data.heldout_file / data.heldout_fraction): held-out accuracy "
            "is reported as nan")
     evaluate_now = lambda: float("nan") if not held else evaluate.evaluate(
         run, run.state.params, held)["accuracy"]
-    start = ckpt.latest_step() if resume else None
-    if start is not None:
-      run.state = ckpt.restore(run.state)
+    if resume and ckpt.latest_step() is not None:
+      start, run.state = ckpt.restore_newest(run.state, log=_log)
       _log(f"resumed from checkpoint step {start} in {run_dir}")
     else:
+      if resume:
+        _log(f"--resume: no checkpoint in {run_dir}, starting the run")
       run.state = run.programs.init(coldstart.cold_start(run, log=_log))
       ckpt.maybe_save(0, run.state, force=True)
       start = 0
+    if jax.process_index() == 0:  # the run has really started (or been restored)
+      rundir.save_config(run_dir, cfg, previous_step=start)
+      cut = rundir.cut_metrics(run_dir, start)
+      if cut:
+        _log(cut)
     position = run.task.position(start, cfg.rollout.prompts_per_iter)
     if position is not None:
       _log(f"data position at step {start}: epoch {position[0]}, index {position[1]} of "
@@ -108,26 +208,37 @@ def train(cfg: TrainConfig, run_dir: str, *, resume: bool = False, checkpoint_ev
     writer = metrics.MetricsWriter(run_dir, total=cfg.iterations, initial=start,
                                    progress=progress)
     ref_params = reference_params(run, run_dir, fresh=start == 0) if cfg.kl_coef else None
+    signals.install(signal.SIGINT)  # from here on Ctrl-C saves at the next boundary
+    stopped = signals.requested()
+    if stopped and start < cfg.iterations:
+      raise Interrupted(stopped, start, run_dir)
 
     def on_step(step: int):
+      nonlocal stopped
       extra = {}
       if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.iterations):
         extra["heldout_accuracy"] = evaluate_now()
-      ckpt.maybe_save(step, run.state, force=step == cfg.iterations)
+      stopped = signals.requested() if step < cfg.iterations else None
+      ckpt.maybe_save(step, run.state, force=step == cfg.iterations or bool(stopped))
+      if stopped:
+        raise Stop(extra)
       return extra
 
     def on_metrics(step: int, m: dict):
       writer.write(step, m, show=SHOW)
       summary["last"] = m
 
-    iterate(run, start, cfg.iterations, ref_params=ref_params, on_metrics=on_metrics,
-            on_step=on_step)
+    reached = iterate(run, start, cfg.iterations, ref_params=ref_params,
+                      on_metrics=on_metrics, on_step=on_step)
+    if stopped:
+      raise Interrupted(stopped, reached, run_dir)
     summary["heldout_accuracy_end"] = evaluate_now()
     writer.print(f"held-out accuracy: {summary['heldout_accuracy_start']:.3f} at the start, "
                  f"{summary['heldout_accuracy_end']:.3f} after {cfg.iterations} {cfg.loss} "
                  f"iterations ({len(held)} problems, seed {cfg.seed})")
     return summary
   finally:
+    signals.restore()
     if writer is not None:
       writer.close()
     ckpt.close()
@@ -164,8 +275,11 @@ def main(argv=None):
   configlib.add_cli_args(parser)
   parser.add_argument("--run-dir", default=None, help="default: runs/<config file name>")
   parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
-  parser.add_argument("--checkpoint-every", type=int, default=10, help="iterations between saves")
-  parser.add_argument("--keep-checkpoints", type=int, default=3, help="newest checkpoints kept")
+  parser.add_argument("--checkpoint-every", type=int, default=10,
+                      help="iterations between saves (>= 0; 0 = only step 0, the last step "
+                      "and a save on SIGTERM / SIGINT)")
+  parser.add_argument("--keep-checkpoints", type=int, default=3,
+                      help="newest checkpoints kept (>= 1)")
   parser.add_argument("--no-progress", action="store_true")
   dist = parser.add_argument_group("multi-host (see docs/sharding_and_tpu.md)")
   dist.add_argument("--distributed", action="store_true",
@@ -177,14 +291,29 @@ def main(argv=None):
                     help="simulate this many devices per process on CPU")
   args = parser.parse_args(argv)
   try:
+    check_checkpoint_args(args.checkpoint_every, args.keep_checkpoints)
     cfg = configlib.config_from_args(args, TrainConfig)
   except ValueError as e:
     raise SystemExit(f"config error: {e}") from None
   init_distributed(args)
   run_dir = args.run_dir or os.path.join("runs", run_name(args.config))
+  argv = sys.argv[1:] if argv is None else list(argv)
+  command = " ".join(["python -m gspo_jax.train", *map(shlex.quote, argv)]
+                     + ([] if args.resume else ["--resume"]))
   try:
     train(cfg, run_dir, resume=args.resume, checkpoint_every=args.checkpoint_every,
           keep=args.keep_checkpoints, progress=not args.no_progress)
+  except rundir.RunDirError as e:
+    raise SystemExit(f"error: {e}") from None
+  except Interrupted as e:
+    _log(f"{e}:\n  {command}")
+    raise SystemExit(128 + e.signum) from None
+  except KeyboardInterrupt:
+    steps = checkpoint.complete_steps(os.path.join(run_dir, "checkpoints"))
+    where = (f"the newest checkpoint is step {steps[-1]}; continue with:\n  {command}"
+             if steps else "no checkpoint was saved yet")
+    _log(f"\ninterrupted (Ctrl-C) without saving: {where}")
+    raise SystemExit(130) from None
   finally:
     if jax.process_count() > 1:
       jax.distributed.shutdown()
