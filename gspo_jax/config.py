@@ -95,7 +95,7 @@ class TrainConfig:
   task: str = "addition"            # a built-in (gspo_jax.tasks.TASKS) or "dataset"
   task_digits: int = 2
   # task="chain" only: operations per problem, the difficulty knob of its solution length
-  # (about 10 tokens per step at task_digits=1: 5 -> ~60, 26 -> ~290); None = 12.
+  # (about 10 tokens per step at task_digits=1: 5 -> 52, 26 -> 262); None = 12.
   task_steps: int | None = None
   # task="dataset": prompts from data.train_file, scored by `reward`: specs
   # "module:fn", "path/file.py:fn" or a built-in name, each optionally "*weight"
