@@ -16,6 +16,7 @@ import dataclasses
 from typing import Any, Literal
 
 from gspo_jax import _checks, losses, sharding
+from gspo_jax.tasks.chain import DEFAULT_STEPS, Chain
 from gspo_jax.tasks.dataset import DataConfig
 from gspo_jax.models.config import ModelConfig, tiny
 
@@ -93,6 +94,9 @@ class SFTConfig:
 class TrainConfig:
   task: str = "addition"            # a built-in (gspo_jax.tasks.TASKS) or "dataset"
   task_digits: int = 2
+  # task="chain" only: operations per problem, the difficulty knob of its solution length
+  # (about 10 tokens per step at task_digits=1: 5 -> 52, 26 -> 262); None = 12.
+  task_steps: int | None = None
   # task="dataset": prompts from data.train_file, scored by `reward`: specs
   # "module:fn", "path/file.py:fn" or a built-in name, each optionally "*weight"
   # (see gspo_jax/rewards.py); the first one decides correctness.
@@ -162,6 +166,12 @@ class TrainConfig:
         raise ValueError(f"{name} must be > 0 (or unset for the loss's default); got {value}")
     if self.kl_coef < 0:
       raise ValueError(f"kl_coef must be >= 0; got {self.kl_coef}")
+    if self.task == "chain":
+      steps = DEFAULT_STEPS if self.task_steps is None else self.task_steps
+      Chain.check_settings(self.task_digits, steps, self.rollout.max_new_tokens,
+                           self.rollout.max_prompt_len)
+    elif self.task_steps is not None:
+      raise ValueError(f"task_steps applies to task='chain'; task is {self.task!r}")
     if self.task == "dataset" and not (self.data.train_file and self.reward):
       raise ValueError("task='dataset' needs data.train_file (JSONL) and reward "
                        "(e.g. reward=my_module:my_reward)")

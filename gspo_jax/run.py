@@ -64,7 +64,8 @@ def make_task(cfg: TrainConfig):
     from gspo_jax.tasks import DatasetTask
     return DatasetTask(cfg.data, cfg.reward)
   from gspo_jax.tasks import make_task as builtin
-  return builtin(cfg.task, digits=cfg.task_digits)
+  knobs = {} if cfg.task_steps is None else {"steps": cfg.task_steps}
+  return builtin(cfg.task, digits=cfg.task_digits, **knobs)
 
 
 def with_chat_template(task, tok, cfg: TrainConfig):
@@ -134,6 +135,9 @@ def setup(cfg: TrainConfig, run_dir: str) -> Run:
     tok = make_tokenizer(task, cfg, run_dir)
     check_prompts(task, tok, cfg)
     model = sharding.init_sharded(Transformer, cfg.model, mesh, cfg.seed)
+  fits = getattr(task, "check_fits", None)  # long solutions: do they fit the rollout widths?
+  if fits is not None:
+    fits(tok, cfg.rollout.max_new_tokens, cfg.rollout.max_prompt_len)
   if tok.vocab_size > cfg.model.vocab_size:
     raise ValueError(f"tokenizer has {tok.vocab_size} ids > model.vocab_size={cfg.model.vocab_size}")
   tx = make_optimizer(cfg.optim)

@@ -23,7 +23,7 @@ def _load(name: str, variant: str = ""):
 
 
 def test_every_config_file_is_listed():
-  assert CONFIGS == ["addition_tiny.py", "demo.py", "smollm2_addition.py",
+  assert CONFIGS == ["addition_tiny.py", "demo.py", "long_chain.py", "smollm2_addition.py",
                      "smollm2_word_problems.py"]
 
 

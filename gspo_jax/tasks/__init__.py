@@ -5,6 +5,7 @@ Built-in tasks with exact rewards, small enough for a tiny model to learn on CPU
 through `Task.score_batch`, which calls `gspo_jax.rewards.score_batch`:
 
     task = make_task("addition", digits=2)
+    task = make_task("chain", digits=1, steps=12)   # long worked solutions (tasks/chain.py)
     examples = task.sample(np.random.default_rng(0), 64, "train")
     rewards_R, correct_R, parts = task.score_batch(examples, completions)
 
@@ -15,9 +16,11 @@ from __future__ import annotations
 
 from gspo_jax.tasks.arithmetic import Addition, BinaryArithmetic, Multiplication
 from gspo_jax.tasks.base import SPLITS, Example, Task
+from gspo_jax.tasks.chain import Chain
 from gspo_jax.tasks.dataset import DataConfig, DatasetTask, examples_from_file
 
-TASKS: dict[str, type[Task]] = {"addition": Addition, "multiplication": Multiplication}
+TASKS: dict[str, type[Task]] = {"addition": Addition, "multiplication": Multiplication,
+                                "chain": Chain}
 
 
 def make_task(name: str, **kwargs) -> Task:
@@ -29,6 +32,6 @@ def make_task(name: str, **kwargs) -> Task:
 
 
 __all__ = [
-    "SPLITS", "TASKS", "Addition", "BinaryArithmetic", "DataConfig", "DatasetTask", "Example",
+    "SPLITS", "TASKS", "Addition", "BinaryArithmetic", "Chain", "DataConfig", "DatasetTask", "Example",
     "Multiplication", "Task", "examples_from_file", "make_task",
 ]
