@@ -115,6 +115,14 @@ def check_prompts(task, tok, cfg: TrainConfig) -> None:
                        f"{example.prompt[:80]!r}")
 
 
+def check_fits(task, tok, cfg: TrainConfig) -> None:
+  """A task with long worked solutions checks that they fit the rollout widths (before the
+  model is built: a demonstration cut by max_new_tokens would teach a wrong solution)."""
+  fits = getattr(task, "check_fits", None)
+  if fits is not None:
+    fits(tok, cfg.rollout.max_new_tokens, cfg.rollout.max_prompt_len)
+
+
 def setup(cfg: TrainConfig, run_dir: str) -> Run:
   """Mesh, task, tokenizer, the sharded model and optimiser state, the compiled programs."""
   from gspo_jax.models.transformer import Transformer
@@ -128,16 +136,15 @@ def setup(cfg: TrainConfig, run_dir: str) -> Run:
     tok = load_tokenizer(cfg.pretrained)
     task = with_chat_template(task, tok, cfg)
     check_prompts(task, tok, cfg)  # before loading the weights
+    check_fits(task, tok, cfg)
     model = hf.load(cfg.pretrained, mesh=mesh, param_dtype=cfg.pretrained_dtype or None)
     cfg = dataclasses.replace(cfg, model=model.cfg)
     check_routing(cfg)
   else:
     tok = make_tokenizer(task, cfg, run_dir)
     check_prompts(task, tok, cfg)
+    check_fits(task, tok, cfg)
     model = sharding.init_sharded(Transformer, cfg.model, mesh, cfg.seed)
-  fits = getattr(task, "check_fits", None)  # long solutions: do they fit the rollout widths?
-  if fits is not None:
-    fits(tok, cfg.rollout.max_new_tokens, cfg.rollout.max_prompt_len)
   if tok.vocab_size > cfg.model.vocab_size:
     raise ValueError(f"tokenizer has {tok.vocab_size} ids > model.vocab_size={cfg.model.vocab_size}")
   tx = make_optimizer(cfg.optim)
