@@ -105,8 +105,8 @@ def clip_by_length(loss_fn, logp_RxT: Array, old_logp_RxT: Array, adv, mask_RxT:
   A bin without rows reports 0 with count 0.
   """
   T = mask_RxT.shape[-1]
-  bins_R = length_bins(jnp.sum(mask_RxT.astype(jnp.int32), axis=-1), T)
   sg = jax.lax.stop_gradient
+  bins_R = length_bins(jnp.sum(mask_RxT.astype(jnp.int32), axis=-1), T)
   out = {}
   for k in range(NUM_BINS):
     mask_k = jnp.where((bins_R == k)[:, None], mask_RxT, jnp.zeros((), mask_RxT.dtype))

@@ -136,8 +136,9 @@ def prepare(params, ref_params, rollout: Rollout, prompts_BxP, lens_B, *, graphd
 
 
 def minibatch_loss(params, graphdef, mb: Minibatch, cfg: TrainConfig):
-  """The chosen loss (+ kl_coef * KL when a reference is given) on one minibatch, and its
-  clip fractions per length quartile (`lengths.clip_by_length`, no gradient)."""
+  """The chosen loss (+ kl_coef * KL when a reference is given) on one minibatch, and with
+  `cfg.length_clip_metrics` its clip fractions per length quartile
+  (`lengths.clip_by_length`, no gradient)."""
   rows = mb.rows
   replay = rows.old_experts if cfg.routing == "replay" else None
   logp, router = policy_logprobs(params, graphdef, rows, cfg, replay=replay)
@@ -146,7 +147,8 @@ def minibatch_loss(params, graphdef, mb: Minibatch, cfg: TrainConfig):
   loss_fn, args = losses.LOSSES[cfg.loss], (flat(logp), flat(rows.old_logp_BxGxT),
                                             mb.adv_bxg.reshape(-1), mask)
   loss, metrics = loss_fn(*args, **cfg.loss_kwargs())
-  metrics = {**metrics, **lengths.clip_by_length(loss_fn, *args, **cfg.loss_kwargs())}
+  if cfg.length_clip_metrics:
+    metrics = {**metrics, **lengths.clip_by_length(loss_fn, *args, **cfg.loss_kwargs())}
   if rows.ref_logp_BxGxT is not None:
     kl, kl_metrics = losses.kl_loss(flat(logp), flat(rows.ref_logp_BxGxT), mask,
                                     estimator=cfg.kl_estimator, aggregation=cfg.kl_aggregation)
