@@ -241,8 +241,9 @@ def update(state: TrainState, batch: Batch, rewards_BxG: Array, *, graphdef, tx,
            cfg: TrainConfig, mesh: Mesh | None = None):
   """Group-normalised advantages from the rewards (paper Eq. 6), then `num_minibatches`
   optax steps (a `lax.scan`), all but the first off-policy. Returns the new state and the
-  per-minibatch metrics averaged (skipped_updates summed, ratio_min/max over all, the clip
-  fractions per length quartile weighted by their rows' counts).
+  per-minibatch metrics averaged (skipped_updates summed, ratio_min/max over all; with
+  `cfg.length_clip_metrics` the clip fractions per length quartile weighted by their
+  bins' counts, `lengths.pool_minibatches`).
 
   `rewards_BxG` are the task's rewards, scored on the host. `cfg.truncation` acts here
   on them, where rewards meet the lengths (the batch's mask, on device) just before they
