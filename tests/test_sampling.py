@@ -15,7 +15,8 @@ from flax import nnx
 
 from gspo_jax import sampling
 from gspo_jax.models import config, transformer
-from gspo_jax.sampling import SamplerConfig, response_logprobs, sample_groups
+from gspo_jax.sampling import SamplerConfig, sample_groups
+from gspo_jax.teacher_forcing import response_logprobs
 
 VOCAB = 64
 EOS = 1
