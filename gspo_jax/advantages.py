@@ -24,8 +24,14 @@ def _raise_on_nan(fn: str, rewards) -> None:
         "A NaN reward usually means a reward function failed; fix or drop those samples.")
 
 
-def group_advantages(rewards_BxG: Array, *, eps: float = 1e-6, scale_by_std: bool = True) -> Array:
+def group_advantages(rewards_BxG: Array, *, eps: float = 1e-6, scale_by_std: bool = True,
+                     valid_BxG: Array | None = None) -> Array:
   """A_ij = (r_ij - mean_j r_ij) / (std_j r_ij + eps), std with ddof = 1 (Bessel).
+
+  With `valid_BxG`, each group's mean and std are over its valid responses only, and
+  invalid ones get A = 0: the valid responses get the advantages they would have if the
+  others had never been sampled (`truncation="mask"` drops truncated responses so). A
+  group with fewer than 2 valid responses has no baseline and gets 0.
 
   Choices (docs/losses.md): ddof = 1 and eps = 1e-6 as verl, tunix and SkyRL
   (TRL uses eps = 1e-4). A group whose rewards are all equal gets exactly 0 (not the
@@ -35,6 +41,7 @@ def group_advantages(rewards_BxG: Array, *, eps: float = 1e-6, scale_by_std: boo
     rewards_BxG: one row per prompt, one column per response. G must be >= 2.
     eps: added to the std; must be > 0.
     scale_by_std: divide by the group std (GRPO / GSPO) or not (Dr. GRPO).
+    valid_BxG: bool, the responses that take part (None: all).
   Returns:
     adv_BxG in at least float32.
   Raises:
@@ -54,8 +61,28 @@ def group_advantages(rewards_BxG: Array, *, eps: float = 1e-6, scale_by_std: boo
     jax.debug.callback(lambda r: _raise_on_nan(fn, r), rewards_BxG, partitioned=True)
   r = jnp.asarray(rewards_BxG)
   r = r.astype(jnp.promote_types(r.dtype, jnp.float32))
+  if valid_BxG is not None:
+    _checks.check_shape(fn, "valid_BxG", valid_BxG, np.shape(rewards_BxG), "rewards_BxG")
+    return _valid_group_advantages(r, jnp.asarray(valid_BxG, bool), eps, scale_by_std)
   centred = r - jnp.mean(r, axis=1, keepdims=True)
   if scale_by_std:
     centred = centred / (jnp.std(r, axis=1, ddof=1, keepdims=True) + eps)
   all_equal = jnp.all(r == r[:, :1], axis=1, keepdims=True)
   return jnp.where(all_equal, jnp.zeros((), r.dtype), centred)
+
+
+def _valid_group_advantages(r_BxG: Array, valid_BxG: Array, eps: float, scale_by_std: bool
+                            ) -> Array:
+  """`group_advantages` over each group's valid responses (the others get 0)."""
+  zero = jnp.zeros((), r_BxG.dtype)
+  n_Bx1 = jnp.sum(valid_BxG, axis=1, keepdims=True, dtype=r_BxG.dtype)
+  mean_Bx1 = jnp.sum(jnp.where(valid_BxG, r_BxG, zero), 1, keepdims=True) / jnp.maximum(n_Bx1, 1)
+  centred = jnp.where(valid_BxG, r_BxG - mean_Bx1, zero)
+  if scale_by_std:
+    var_Bx1 = jnp.sum(centred * centred, 1, keepdims=True) / jnp.maximum(n_Bx1 - 1, 1)
+    centred = centred / (jnp.sqrt(var_Bx1) + eps)
+  # All valid rewards equal (one of them, picked as the max, matches the min): exactly 0.
+  hi = jnp.max(jnp.where(valid_BxG, r_BxG, -jnp.inf), 1, keepdims=True)
+  lo = jnp.min(jnp.where(valid_BxG, r_BxG, jnp.inf), 1, keepdims=True)
+  no_signal = (hi == lo) | (n_Bx1 < 2)
+  return jnp.where(no_signal | ~valid_BxG, zero, centred)

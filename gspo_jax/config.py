@@ -28,6 +28,14 @@ OLD_LOGP_SOURCES = ("recompute", "sampler")
 #           workaround GRPO needs on MoE models.
 ROUTING_MODES = ("free", "track", "replay")
 SAMPLER_DTYPES = ("", "float32", "bfloat16")
+# Responses that hit rollout.max_new_tokens without EOS (gspo_jax/lengths.py says where each
+# acts and why):
+#   count:    trained on like any other response (the paper's setting);
+#   mask:     left out of the loss and of their group's advantage statistics (DAPO's
+#             overlong filtering);
+#   overlong: DAPO's soft overlong punishment added to every response's reward, falling
+#             from 0 at max_new_tokens - overlong_cache tokens to -1 at max_new_tokens.
+TRUNCATION_MODES = ("count", "mask", "overlong")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +135,17 @@ class TrainConfig:
   # Teacher forcing (pi_theta, pi_old, pi_ref) computes each prompt once for its G responses
   # (`teacher_forcing.response_logprobs`); minibatches then hold whole groups.
   share_prompts: bool = False
+  truncation: Literal["count", "mask", "overlong"] = "count"   # see TRUNCATION_MODES
+  # truncation="overlong" only: DAPO's L_cache in tokens, 0 < overlong_cache <
+  # rollout.max_new_tokens (DAPO's recipe: 4096 of 20480, a fifth).
+  overlong_cache: int = 0
+  # Report the loss's clip fractions per length quartile of rollout.max_new_tokens
+  # (clip_frac_{token,seq}_len_q1..q4). Off by default: reading pi_theta's log-probs a
+  # second time in the update changes how XLA fuses the loss, and with it the last bits
+  # of the update (measured: 1-ulp differences in GRPO's loss on CPU at
+  # xla_backend_optimization_level=0), so existing configs would not train bit for bit
+  # as before.
+  length_clip_metrics: bool = False
 
   iterations: int = 50
   eval_every: int = 10
@@ -143,6 +162,7 @@ class TrainConfig:
     _checks.check_choice("config", "old_logp", self.old_logp, OLD_LOGP_SOURCES)
     _checks.check_choice("config", "kl_estimator", self.kl_estimator, losses.KL_ESTIMATORS)
     _checks.check_choice("config", "routing", self.routing, ROUTING_MODES)
+    check_truncation(self)
     if self.aggregation is not None:
       _checks.check_choice("config", "aggregation", self.aggregation, losses.AGGREGATIONS)
     for name, value in self._loss_fields().items():
@@ -201,3 +221,18 @@ def check_routing(cfg: TrainConfig) -> None:
   if cfg.routing != "free" and not cfg.model.num_experts:
     raise ValueError(f"routing={cfg.routing!r} needs a Mixture-of-Experts model "
                      "(model.num_experts > 0); a dense model has no routing to track or replay")
+
+
+def check_truncation(cfg: TrainConfig) -> None:
+  _checks.check_choice("config", "truncation", cfg.truncation, TRUNCATION_MODES)
+  T, cache = cfg.rollout.max_new_tokens, cfg.overlong_cache
+  if isinstance(cache, bool) or not isinstance(cache, int):
+    raise ValueError(f"overlong_cache must be an int (tokens); got {cache!r}")
+  if cfg.truncation != "overlong":
+    if cache:
+      raise ValueError(f"overlong_cache applies to truncation='overlong'; truncation is "
+                       f"{cfg.truncation!r}")
+  elif not 0 < cache < T:
+    raise ValueError(f"truncation='overlong' needs 0 < overlong_cache < rollout.max_new_tokens "
+                     f"({T}): the penalty falls from 0 at max_new_tokens - overlong_cache "
+                     f"tokens to -1 at max_new_tokens; got overlong_cache={cache}")

@@ -5,7 +5,9 @@ Legend: B prompts per iteration, G responses per prompt, P prompt tokens, T resp
 The device work is dispatched without waiting: the sampler, then `prepare` (pi_old and
 pi_ref by teacher forcing) right behind it. The host waits only for the sampled tokens,
 decodes and scores them (user reward functions run in Python) while `prepare` runs, and
-feeds the rewards back; the update program turns them into advantages.
+feeds the rewards back; the update program turns them into advantages. The rewards fed back
+are the task's own: `truncation="overlong"` shapes them inside the update, where the
+lengths already are (`step.update`), so `reward_mean` here stays comparable across modes.
 
 Multi-host: each process encodes its rows of the prompt batch, decodes and scores the
 responses on its own devices, and feeds its rows of the rewards back; the host metrics are

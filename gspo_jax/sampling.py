@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from gspo_jax import _checks, sharding
+from gspo_jax import _checks, lengths, sharding
 from gspo_jax.models.transformer import KVCache, Transformer
 from gspo_jax.teacher_forcing import prompt_forward
 
@@ -256,12 +256,13 @@ ROW_FIELDS = ("tokens_BxGxT", "mask_BxGxT", "logp_BxGxT", "entropy_BxGxT", "leng
 
 
 def rollout_stats(rollout: Rollout) -> dict[str, Array]:
-  """Scalars that describe a rollout, computed where the rollout lives (on device):
-  mean and max response length (counted tokens), the fraction truncated at max_new_tokens,
-  the mean entropy per counted token, the counted tokens and the decode steps taken."""
+  """Scalars that describe a rollout, computed where the rollout lives (on device): the
+  length statistics of `lengths.length_stats` (mean, p90 and max response length in
+  counted tokens, the fraction truncated at max_new_tokens, the fraction in each quartile
+  of max_new_tokens), the mean entropy per counted token, the counted tokens and the
+  decode steps taken."""
   tokens = jnp.sum(rollout.mask_BxGxT)
-  lengths = rollout.lengths_BxG.astype(jnp.float32)
-  return {"response_length": jnp.mean(lengths), "response_length_max": jnp.max(lengths),
-          "truncated_frac": jnp.mean(rollout.truncated_BxG.astype(jnp.float32)),
+  T = rollout.tokens_BxGxT.shape[-1]
+  return {**lengths.length_stats(rollout.lengths_BxG, rollout.truncated_BxG, T),
           "entropy": jnp.sum(rollout.entropy_BxGxT) / jnp.maximum(tokens, 1),
           "response_tokens": tokens, "decode_steps": rollout.steps}

@@ -22,7 +22,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from gspo_jax import losses, rng, sharding
+from gspo_jax import lengths, losses, rng, sharding
 from gspo_jax.advantages import group_advantages
 from gspo_jax.config import OptimConfig, SFTConfig, TrainConfig
 from gspo_jax.sampling import Rollout
@@ -115,27 +115,40 @@ def prepare(params, ref_params, rollout: Rollout, prompts_BxP, lens_B, *, graphd
   """pi_old (recomputed, or the sampler's with `old_logp="sampler"`), pi_ref (when
   ref_params is given) and, when `cfg.routing` is not "free", pi_old's expert choices
   (from the teacher-forced pass: what the trainer's pi_old routes, also when its log-probs
-  are the sampler's)."""
-  rows = Batch(prompts_BxP, lens_B, rollout.tokens_BxGxT, rollout.mask_BxGxT, rollout.logp_BxGxT)
+  are the sampler's).
+
+  `truncation="mask"` zeroes the mask of truncated rows here, where the sampler's
+  `truncated_BxG` is known and before anything reads the mask: the batch's mask is then
+  the one record of which rows take part, and the loss (which averages over non-empty
+  rows), the KL term, the advantages (`update`) and the metrics all leave them out alike.
+  The teacher-forced log-probs do not depend on the mask, so pi_old is unchanged."""
+  mask = rollout.mask_BxGxT
+  if cfg.truncation == "mask":
+    mask = jnp.where(rollout.truncated_BxG[..., None], jnp.zeros((), mask.dtype), mask)
+  rows = Batch(prompts_BxP, lens_B, rollout.tokens_BxGxT, mask, rollout.logp_BxGxT)
   old, experts = rollout.logp_BxGxT, None
   if cfg.old_logp == "recompute" or cfg.routing != "free":
     recomputed, router = policy_logprobs(params, graphdef, rows, cfg)
     old = recomputed if cfg.old_logp == "recompute" else old
     experts = None if cfg.routing == "free" else router.indices
   ref = None if ref_params is None else policy_logprobs(ref_params, graphdef, rows, cfg)[0]
-  return rows.replace(old_logp_BxGxT=old * rollout.mask_BxGxT, ref_logp_BxGxT=ref,
-                      old_experts=experts)
+  return rows.replace(old_logp_BxGxT=old * mask, ref_logp_BxGxT=ref, old_experts=experts)
 
 
 def minibatch_loss(params, graphdef, mb: Minibatch, cfg: TrainConfig):
-  """The chosen loss (+ kl_coef * KL when a reference is given) on one minibatch."""
+  """The chosen loss (+ kl_coef * KL when a reference is given) on one minibatch, and with
+  `cfg.length_clip_metrics` its clip fractions per length quartile
+  (`lengths.clip_by_length`, no gradient)."""
   rows = mb.rows
   replay = rows.old_experts if cfg.routing == "replay" else None
   logp, router = policy_logprobs(params, graphdef, rows, cfg, replay=replay)
   flat = lambda x: x.reshape(-1, x.shape[-1])
   mask = flat(rows.mask_BxGxT)
-  loss, metrics = losses.LOSSES[cfg.loss](flat(logp), flat(rows.old_logp_BxGxT),
-                                          mb.adv_bxg.reshape(-1), mask, **cfg.loss_kwargs())
+  loss_fn, args = losses.LOSSES[cfg.loss], (flat(logp), flat(rows.old_logp_BxGxT),
+                                            mb.adv_bxg.reshape(-1), mask)
+  loss, metrics = loss_fn(*args, **cfg.loss_kwargs())
+  if cfg.length_clip_metrics:
+    metrics = {**metrics, **lengths.clip_by_length(loss_fn, *args, **cfg.loss_kwargs())}
   if rows.ref_logp_BxGxT is not None:
     kl, kl_metrics = losses.kl_loss(flat(logp), flat(rows.ref_logp_BxGxT), mask,
                                     estimator=cfg.kl_estimator, aggregation=cfg.kl_aggregation)
@@ -162,15 +175,19 @@ def routing_changed(new_experts, old_experts, mask_RxT: Array) -> Array:
 
 def apply_step(state_parts, mb: Minibatch, *, graphdef, tx, cfg: TrainConfig):
   """One optax step on one minibatch; skipped (params and optimiser state unchanged) if the
-  loss or the gradient is not finite."""
+  loss or the gradient is not finite, or if no token of the minibatch counts (every row
+  masked out by `truncation="mask"`: an optax step on a zero gradient would still move the
+  parameters by AdamW's momentum, which dropping those rows would not)."""
   params, opt_state = state_parts
   (_, metrics), grads = jax.value_and_grad(minibatch_loss, has_aux=True)(params, graphdef, mb, cfg)
   grad_norm = optax.tree.norm(grads)
-  finite = jnp.isfinite(grad_norm) & jnp.isfinite(metrics["loss"])
+  ok = jnp.isfinite(grad_norm) & jnp.isfinite(metrics["loss"])
+  if cfg.truncation == "mask":
+    ok = ok & (jnp.sum(mb.rows.mask_BxGxT) > 0)
   updates, new_opt = tx.update(grads, opt_state, params)
   new_params = optax.apply_updates(params, updates)
-  keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
-  metrics = {**metrics, "grad_norm": grad_norm, "skipped_updates": 1.0 - finite,
+  keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
+  metrics = {**metrics, "grad_norm": grad_norm, "skipped_updates": 1.0 - ok,
              "learning_rate": current_lr(opt_state)}
   return (keep(new_params, params), keep(new_opt, opt_state)), metrics
 
@@ -224,14 +241,32 @@ def update(state: TrainState, batch: Batch, rewards_BxG: Array, *, graphdef, tx,
            cfg: TrainConfig, mesh: Mesh | None = None):
   """Group-normalised advantages from the rewards (paper Eq. 6), then `num_minibatches`
   optax steps (a `lax.scan`), all but the first off-policy. Returns the new state and the
-  per-minibatch metrics averaged (skipped_updates summed, ratio_min/max over all)."""
-  adv_BxG = group_advantages(rewards_BxG)
+  per-minibatch metrics averaged (skipped_updates summed, ratio_min/max over all; with
+  `cfg.length_clip_metrics` the clip fractions per length quartile weighted by their
+  bins' counts, `lengths.pool_minibatches`).
+
+  `rewards_BxG` are the task's rewards, scored on the host. `cfg.truncation` acts here
+  on them, where rewards meet the lengths (the batch's mask, on device) just before they
+  become advantages: "overlong" adds DAPO's `lengths.overlong_penalty` of each response's
+  length (reported as `overlong_penalty`, its mean; the host's reward metrics stay the
+  task's, comparable across truncation modes), and "mask" normalises each group over the
+  rows `prepare` left in the batch (non-empty mask)."""
+  n_BxG = jnp.sum(batch.mask_BxGxT, axis=-1)
+  extra = {}
+  if cfg.truncation == "overlong":
+    penalty_BxG = lengths.overlong_penalty(n_BxG, max_new_tokens=cfg.rollout.max_new_tokens,
+                                           cache=cfg.overlong_cache)
+    rewards_BxG = rewards_BxG + penalty_BxG
+    extra["overlong_penalty"] = jnp.mean(penalty_BxG)
+  valid_BxG = n_BxG > 0 if cfg.truncation == "mask" else None
+  adv_BxG = group_advantages(rewards_BxG, valid_BxG=valid_BxG)
   key = rng.device_key(state.key, state.step, "minibatch")
   minibatches = split_minibatches(key, batch, adv_BxG, cfg, mesh)
   step = lambda parts, mb: apply_step(parts, mb, graphdef=graphdef, tx=tx, cfg=cfg)
   (params, opt_state), metrics = jax.lax.scan(step, (state.params, state.opt_state), minibatches)
-  summary = {k: jnp.mean(v) for k, v in metrics.items()}
+  summary = {k: jnp.mean(v) for k, v in metrics.items() if not lengths.is_bin_count(k)}
   summary["skipped_updates"] = jnp.sum(metrics["skipped_updates"])
   summary["ratio_max"] = jnp.max(metrics["ratio_max"])
   summary["ratio_min"] = jnp.min(metrics["ratio_min"])
+  summary.update(lengths.pool_minibatches(metrics), **extra)
   return state.replace(params=params, opt_state=opt_state, step=state.step + 1), summary
