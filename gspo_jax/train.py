@@ -218,6 +218,8 @@ def train(cfg: TrainConfig, run_dir: str, *, resume: bool = False, checkpoint_ev
       extra = {}
       if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.iterations):
         extra["heldout_accuracy"] = evaluate_now()
+        if step == cfg.iterations:  # the final policy: its evaluation is the summary's
+          summary["heldout_accuracy_end"] = extra["heldout_accuracy"]
       stopped = signals.requested() if step < cfg.iterations else None
       ckpt.maybe_save(step, run.state, force=step == cfg.iterations or bool(stopped))
       if stopped:
@@ -232,7 +234,8 @@ def train(cfg: TrainConfig, run_dir: str, *, resume: bool = False, checkpoint_ev
                       on_metrics=on_metrics, on_step=on_step)
     if stopped:
       raise Interrupted(stopped, reached, run_dir)
-    summary["heldout_accuracy_end"] = evaluate_now()
+    if "heldout_accuracy_end" not in summary:
+      summary["heldout_accuracy_end"] = evaluate_now()
     writer.print(f"held-out accuracy: {summary['heldout_accuracy_start']:.3f} at the start, "
                  f"{summary['heldout_accuracy_end']:.3f} after {cfg.iterations} {cfg.loss} "
                  f"iterations ({len(held)} problems, seed {cfg.seed})")
