@@ -389,6 +389,8 @@ def test_ctrl_c_saves_at_the_next_boundary_and_says_how_to_resume(files, tmp_pat
                                                                    capsys):
   from gspo_jax import metrics
   write = metrics.MetricsWriter.write
+  # What SIGINT did before (default_int_handler, or SIG_IGN when started in the background).
+  before = signal.getsignal(signal.SIGINT)
 
   def spy(self, step, m, **kw):
     write(self, step, m, **kw)
@@ -406,10 +408,11 @@ def test_ctrl_c_saves_at_the_next_boundary_and_says_how_to_resume(files, tmp_pat
   assert f"python -m gspo_jax.train {' '.join(args)} --resume" in out
   assert checkpoint.complete_steps(str(tmp_path / "checkpoints")) == [0, 2]
   assert [r["step"] for r in records(tmp_path)] == [1, 2]
-  assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+  assert signal.getsignal(signal.SIGINT) is before  # handlers restored
 
 
 def test_a_second_ctrl_c_stops_at_once_and_hosts_agree(monkeypatch):
+  before = signal.getsignal(signal.SIGINT)
   signals = T._Signals()
   signals.install(signal.SIGINT, signal.SIGTERM)
   try:
@@ -420,7 +423,7 @@ def test_a_second_ctrl_c_stops_at_once_and_hosts_agree(monkeypatch):
       os.kill(os.getpid(), signal.SIGINT)
   finally:
     signals.restore()
-  assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+  assert signal.getsignal(signal.SIGINT) is before
   # Multi-host: a signal on any host stops every host (the largest signal number wins).
   from jax.experimental import multihost_utils
   import numpy as np
