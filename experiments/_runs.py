@@ -17,11 +17,68 @@ import shutil
 import numpy as np
 
 from experiments import _plots
-from gspo_jax import train
+from gspo_jax import configlib, train
 from gspo_jax.config import TrainConfig
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # What one iteration's metrics row says it took (the loop writes it for every iteration).
 TIME = "time_iteration"
+# --task: the config file an experiment starts from. "addition": 1-5-token answers, where
+# GSPO's sequence ratio and GRPO's token ratios nearly coincide; "long": the chain task's
+# 113-token worked solutions (docs/training.md "The long task").
+TASK_CONFIGS = {"addition": "addition_tiny.py", "long": "long_chain.py"}
+
+
+def base_config(task: str, quick: bool) -> TrainConfig:
+  """The config file of `task`, with --quick's tiny sizes (every phase runs, nothing is
+  learned). The long task also reports clip fractions per length quartile."""
+  cfg = configlib.load_config(os.path.join(ROOT, "configs", TASK_CONFIGS[task]))
+  if task == "long":
+    cfg = dataclasses.replace(cfg, length_clip_metrics=True)
+  if not quick:
+    return cfg
+  if task == "addition":
+    return dataclasses.replace(
+        cfg, rollout=dataclasses.replace(cfg.rollout, prompts_per_iter=16),
+        sft=dataclasses.replace(cfg.sft, steps=60, target_accuracy=0.0, batch_size=64),
+        iterations=6, eval_every=3, eval_size=64)
+  # 5 steps (52-token solutions) on a 4x narrower model.
+  return dataclasses.replace(
+      cfg, task_steps=5, model=dataclasses.replace(cfg.model, hidden=32, mlp_dim=64,
+                                                   num_heads=2, num_kv_heads=1, head_dim=16),
+      rollout=dataclasses.replace(cfg.rollout, prompts_per_iter=8, group_size=4,
+                                  max_new_tokens=60, max_prompt_len=24),
+      sft=dataclasses.replace(cfg.sft, steps=20, batch_size=16, target_accuracy=0.0),
+      iterations=6, eval_every=3, eval_size=16)
+
+
+def iteration_flops(cfg: dict, row: dict) -> float:
+  """Model FLOPs of one iteration, from the run's config.json and its metrics row: 2 per
+  active matmul parameter per token forward, 6 forward + backward.
+
+    sampling  2 W (B P + B G steps) + 2 D V B G steps  (prefill once per prompt, then
+              `decode_steps` steps for all B G rows: the loop runs until the longest ends)
+    pi_old    2 W R S + 2 D V R T       (teacher forcing over R = B G rows, S = P + T)
+    update    3 x pi_old                (every minibatch, forward + backward)
+    pi_ref    1 x pi_old when kl_coef > 0
+
+  W = active matmul weights of the layers (attention, SwiGLU or the top-k experts and the
+  router); attention's score and value products, a few percent at these lengths, are left
+  out, as is the held-out evaluation. Every program runs on static shapes, so only
+  `decode_steps` differs between iterations and variants."""
+  m, r = cfg["model"], cfg["rollout"]
+  D, L, V = m["hidden"], m["num_layers"], m["vocab_size"]
+  attn = D * m["num_heads"] * m["head_dim"] * 2 + 2 * D * m["num_kv_heads"] * m["head_dim"]
+  if m.get("num_experts"):
+    mlp = 3 * D * m["moe_mlp_dim"] * m["experts_per_token"] + D * m["num_experts"]
+  else:
+    mlp = 3 * D * m["mlp_dim"]
+  W = L * (attn + mlp)
+  B, G, P, T = r["prompts_per_iter"], r["group_size"], r["max_prompt_len"], r["max_new_tokens"]
+  steps = row.get("decode_steps", T)
+  sample = 2 * W * (B * P + B * G * steps) + 2 * D * V * B * G * steps
+  teacher = 2 * W * B * G * (P + T) + 2 * D * V * B * G * T
+  return float(sample + teacher * (4 + (cfg.get("kl_coef", 0) > 0)))
 COLOURS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")
 
 
@@ -69,6 +126,9 @@ def load_runs(out: str) -> dict[str, list[dict]]:
     variant, seed = name.rsplit("_seed", 1)
     rows = [json.loads(l) for l in open(os.path.join(path, "metrics.jsonl"))]
     summary = json.load(open(os.path.join(path, "summary.json")))
+    cfg = json.load(open(os.path.join(path, "config.json")))
+    for row in rows:
+      row["flops"] = iteration_flops(cfg, row)
     runs.setdefault(variant, []).append({"seed": int(seed), "rows": rows, "summary": summary})
   return runs
 
@@ -112,14 +172,14 @@ def plot_curves(runs: dict[str, list[dict]], out: str, name: str, key: str, ylab
         ys = np.convolve(ys, np.ones(smooth) / smooth, mode="valid")
         steps = steps[smooth - 1:]
       xs = steps
-      if x == "time":
-        xs = np.cumsum([r[TIME] for r in it["rows"]])[steps - 1]
+      if x in ("time", "flops"):
+        xs = np.cumsum([r[TIME if x == "time" else "flops"] for r in it["rows"]])[steps - 1]
       ax.plot(xs, np.maximum(ys, floor) if floor else ys, color=colours.get(variant), alpha=0.8,
               label=variant.upper().replace("_", " ") if i == 0 else None)
   if log:
     ax.set_yscale("log")
-  ax.set_xlabel("training seconds (wall time of the loop's iterations)" if x == "time" else
-                "iteration")
+  ax.set_xlabel({"time": "training seconds (wall time of the loop's iterations)",
+                 "flops": "model FLOPs (experiments/_runs.py iteration_flops)"}.get(x, "iteration"))
   ax.set_ylabel(ylabel)
   return _plots.save(fig, ax, out, name)
 
@@ -145,23 +205,26 @@ def main(argv, *, doc: str, name: str, variants, config, summarise, plot, seeds=
          flag: str = "--variants", add_args=None) -> dict:
   """The command line every training experiment shares: run each (seed, variant) not yet
   finished, then summarise and plot whatever is finished under
-  experiments/results/<name>[_quick] (or --out). `config(variant, seed, args)` builds the
-  TrainConfig; `add_args(parser)` adds the experiment's own flags."""
+  experiments/results/<name>[_long][_quick] (or --out). `config(variant, seed, args)` builds
+  the TrainConfig (`base_config(args.task, args.quick)` is the starting point);
+  `add_args(parser)` adds the experiment's own flags."""
   import argparse
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
   parser.add_argument("--quick", action="store_true", help="tiny sizes, 6 iterations")
+  parser.add_argument("--task", default="addition", choices=list(TASK_CONFIGS),
+                      help="addition: configs/addition_tiny.py; long: configs/long_chain.py")
   parser.add_argument(flag, dest="variants", nargs="+", default=list(variants),
                       choices=list(variants))
   parser.add_argument("--seeds", nargs="+", type=int, default=list(seeds))
   parser.add_argument("--iterations", type=int, default=None, help="override the config's")
   parser.add_argument("--plot-only", action="store_true", help="only summarise finished runs")
-  parser.add_argument("--out", default=None, help=f"default: experiments/results/{name}[_quick]")
+  parser.add_argument("--out", default=None,
+                      help=f"default: experiments/results/{name}[_long][_quick]")
   if add_args:
     add_args(parser)
   args = parser.parse_args(argv)
-  out = args.out or os.path.join(root, "experiments", "results",
-                                 f"{name}_quick" if args.quick else name)
+  suffix = ("_long" if args.task == "long" else "") + ("_quick" if args.quick else "")
+  out = args.out or os.path.join(ROOT, "experiments", "results", name + suffix)
   os.makedirs(out, exist_ok=True)
   if not args.plot_only:
     for seed in args.seeds:

@@ -9,9 +9,12 @@ The cold start is deterministic per seed, so GSPO and GRPO start from the same p
     python experiments/gspo_vs_grpo.py --seeds 0 1 2              # full: configs/addition_tiny.py
     python experiments/gspo_vs_grpo.py --losses grpo --seeds 0    # one part (run parts in parallel),
     python experiments/gspo_vs_grpo.py --plot-only                # then summarise what is there
+    python experiments/gspo_vs_grpo.py --task long --seeds 0 1 2  # configs/long_chain.py
 
 Writes under --out: runs/<loss>_seed<k>/ (metrics.jsonl ...), summary.json, and plots
-reward.png, heldout.png, reward_vs_time.png, clip_fraction.png.
+reward.png, heldout.png, reward_vs_time.png, reward_vs_flops.png, heldout_vs_flops.png,
+clip_fraction.png, and with --task long clip_by_length.png (clip fractions per response-length
+quartile of max_new_tokens).
 """
 
 from __future__ import annotations
@@ -26,28 +29,28 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from experiments import _runs  # noqa: E402
-from gspo_jax import configlib  # noqa: E402
 from gspo_jax.config import TrainConfig  # noqa: E402
 
 LOSSES = ("gspo", "grpo")
 
 
-def config(loss: str, seed: int, quick: bool, iterations: int | None) -> TrainConfig:
-  """configs/addition_tiny.py with `loss`, eps unset so that each loss clips at its own
-  (the paper's) range whatever the config file sets."""
-  cfg = configlib.load_config(os.path.join(ROOT, "configs", "addition_tiny.py"))
-  if quick:
-    cfg = dataclasses.replace(
-        cfg, rollout=dataclasses.replace(cfg.rollout, prompts_per_iter=16),
-        sft=dataclasses.replace(cfg.sft, steps=60, target_accuracy=0.0, batch_size=64),
-        iterations=6, eval_every=3, eval_size=64)
+def config(loss: str, seed: int, quick: bool, iterations: int | None,
+           task: str = "addition") -> TrainConfig:
+  """The task's config file (`_runs.base_config`) with `loss`, eps unset so that each loss
+  clips at its own (the paper's) range whatever the config file sets."""
+  cfg = _runs.base_config(task, quick)
   if iterations:
     cfg = dataclasses.replace(cfg, iterations=iterations)
   return dataclasses.replace(cfg, loss=loss, eps_low=None, eps_high=None, seed=seed)
 
 
+BIN_KEYS = tuple(f"clip_frac_{u}_len_q{k}" for u in ("token", "seq") for k in range(1, 5))
+LENGTH_KEYS = ("response_length", "response_length_p90", "truncated_frac")
+
+
 def summarise(runs: dict[str, list[dict]]) -> dict:
-  out = {loss: _runs.summarise(items) for loss, items in runs.items()}
+  keys = ("clip_frac_token", "clip_frac_seq") + BIN_KEYS + LENGTH_KEYS
+  out = {loss: _runs.summarise(items, mean_keys=keys) for loss, items in runs.items()}
   if {"gspo", "grpo"} <= set(out):
     grpo = float(np.mean(out["grpo"]["clip_frac_token_mean"]))
     out["clip_ratio_gspo_over_grpo"] = (  # None: GRPO clipped no token at all
@@ -57,15 +60,46 @@ def summarise(runs: dict[str, list[dict]]) -> dict:
 
 def plot(runs: dict[str, list[dict]], out: str) -> list[str]:
   colours = {"gspo": "tab:blue", "grpo": "tab:orange"}
-  return _runs.standard_plots(runs, out, colours) + [_runs.plot_curves(
-      runs, out, "reward_vs_time.png", "reward_mean", "training reward (mean of 20 iterations)",
-      smooth=20, x="time", colours=colours)]
+  reward = ("reward_mean", "training reward (mean of 20 iterations)")
+  paths = _runs.standard_plots(runs, out, colours) + [
+      _runs.plot_curves(runs, out, "reward_vs_time.png", *reward, smooth=20, x="time",
+                        colours=colours),
+      _runs.plot_curves(runs, out, "reward_vs_flops.png", *reward, smooth=20, x="flops",
+                        colours=colours),
+      _runs.plot_curves(runs, out, "heldout_vs_flops.png", "heldout_accuracy",
+                        "held-out greedy accuracy", x="flops", colours=colours)]
+  if any(BIN_KEYS[0] in r for items in runs.values() for it in items for r in it["rows"]):
+    paths.append(plot_clip_by_length(runs, out, colours))
+  return paths
+
+
+def plot_clip_by_length(runs, out: str, colours) -> str:
+  """Fraction of tokens clipped per response-length quartile of max_new_tokens (pooled over
+  training and seeds: each iteration's per-bin fraction weighted equally), one line per
+  loss; a quartile no response reached is left out."""
+  from experiments import _plots
+  fig, ax = _plots.figure()
+  for loss, items in sorted(runs.items()):
+    xs, ys = [], []
+    for k in range(1, 5):
+      vals = [r[f"clip_frac_token_len_q{k}"] for it in items for r in it["rows"]
+              if r.get(f"response_frac_len_q{k}", 0) > 0 and f"clip_frac_token_len_q{k}" in r]
+      if vals:
+        xs.append(k)
+        ys.append(max(float(np.mean(vals)), 1e-5))
+    ax.plot(xs, ys, "o-", color=colours.get(loss), label=loss.upper())
+  ax.set_yscale("log")
+  ax.set_xticks([1, 2, 3, 4], ["(0, T/4]", "(T/4, T/2]", "(T/2, 3T/4]", "(3T/4, T]"])
+  ax.set_xlabel("response length (T = max_new_tokens)")
+  ax.set_ylabel("fraction of tokens clipped (floored at 1e-5)")
+  return _plots.save(fig, ax, out, "clip_by_length.png")
 
 
 def main(argv=None):
   return _runs.main(argv, doc=__doc__, name="gspo_vs_grpo", variants=LOSSES, seeds=(0, 1, 2),
                     flag="--losses", summarise=summarise, plot=plot,
-                    config=lambda loss, seed, a: config(loss, seed, a.quick, a.iterations))
+                    config=lambda loss, seed, a: config(loss, seed, a.quick, a.iterations,
+                                                        a.task))
 
 
 if __name__ == "__main__":

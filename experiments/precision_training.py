@@ -12,6 +12,7 @@ activations cast; `rollout.sampler_dtype`) and trains in float32 on configs/addi
     python experiments/precision_training.py --quick
     python experiments/precision_training.py --seeds 0          # full, 300 iterations each
     python experiments/precision_training.py --plot-only
+    python experiments/precision_training.py --task long --seeds 0 1 2   # configs/long_chain.py
 
 Writes under --out: runs/<variant>_seed<k>/, summary.json, reward.png, heldout.png,
 clip_fraction.png.
@@ -36,9 +37,10 @@ COLOURS = {"gspo_recompute": "tab:blue", "gspo_sampler": "tab:cyan",
            "grpo_recompute": "tab:orange", "grpo_sampler": "tab:red"}
 
 
-def config(variant: str, seed: int, quick: bool, iterations: int | None) -> TrainConfig:
+def config(variant: str, seed: int, quick: bool, iterations: int | None,
+           task: str = "addition") -> TrainConfig:
   loss, source = VARIANTS[variant]
-  cfg = base_config(loss, seed, quick, iterations)
+  cfg = base_config(loss, seed, quick, iterations, task)
   return dataclasses.replace(cfg, old_logp=source, rollout=dataclasses.replace(
       cfg.rollout, sampler_dtype="bfloat16"))
 
@@ -46,7 +48,7 @@ def config(variant: str, seed: int, quick: bool, iterations: int | None) -> Trai
 def main(argv=None):
   return _runs.main(
       argv, doc=__doc__, name="precision_training", variants=VARIANTS,
-      config=lambda v, seed, a: config(v, seed, a.quick, a.iterations),
+      config=lambda v, seed, a: config(v, seed, a.quick, a.iterations, a.task),
       summarise=lambda runs: {v: _runs.summarise(items) for v, items in runs.items()},
       plot=lambda runs, out: _runs.standard_plots(runs, out, COLOURS))
 

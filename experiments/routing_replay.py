@@ -13,6 +13,7 @@ variants, same tiny MoE, task, data and seeds:
     python experiments/routing_replay.py --quick                 # a few minutes on 2 CPU cores
     python experiments/routing_replay.py --seeds 0 1             # full
     python experiments/routing_replay.py --plot-only
+    python experiments/routing_replay.py --task long --seeds 0 1 2   # configs/long_chain.py
 
 Writes under --out: runs/<variant>_seed<k>/, summary.json, reward.png, heldout.png,
 routing_changed.png, clip_fraction.png, ratio_range.png.
@@ -28,7 +29,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from experiments import _runs  # noqa: E402
-from gspo_jax import configlib  # noqa: E402
 from gspo_jax.config import TrainConfig  # noqa: E402
 from gspo_jax.models.config import tiny_moe  # noqa: E402
 
@@ -37,22 +37,23 @@ VARIANTS = {"grpo_free": ("grpo", "track"), "grpo_replay": ("grpo", "replay"),
 COLOURS = {"grpo_free": "tab:orange", "grpo_replay": "tab:red", "gspo_free": "tab:blue"}
 
 
-def config(variant: str, seed: int, quick: bool, iterations: int | None, lr: float
-           ) -> TrainConfig:
-  """configs/addition_tiny.py with a Mixture-of-Experts model (8 experts, top-2, every layer);
-  eps unset, so each loss clips at its own (the paper's) range."""
+def config(variant: str, seed: int, quick: bool, iterations: int | None, lr: float | None,
+           task: str = "addition") -> TrainConfig:
+  """The task's config file (`_runs.base_config`) with a Mixture-of-Experts model (8 experts,
+  top-2, every layer; the task's vocabulary); eps unset, so each loss clips at its own (the
+  paper's) range; lr None = 3e-4 on addition (where the results below were measured), the
+  config file's elsewhere."""
   loss, routing = VARIANTS[variant]
-  cfg = configlib.load_config(os.path.join(ROOT, "configs", "addition_tiny.py"))
+  cfg = _runs.base_config(task, quick)
+  width = dict(hidden=32, num_heads=2, num_kv_heads=1, head_dim=16, moe_mlp_dim=32) if (
+      quick and task == "long") else dict(hidden=128, num_heads=4, num_kv_heads=2, head_dim=32,
+                                          moe_mlp_dim=64)
   cfg = dataclasses.replace(
-      cfg, model=tiny_moe(vocab_size=32, hidden=128, num_experts=8, experts_per_token=2,
-                          moe_mlp_dim=64, num_heads=4, num_kv_heads=2, head_dim=32),
-      optim=dataclasses.replace(cfg.optim, learning_rate=lr),
+      cfg, model=tiny_moe(vocab_size=cfg.model.vocab_size, num_experts=8, experts_per_token=2,
+                          **width),
+      optim=dataclasses.replace(cfg.optim, learning_rate=lr or (
+          3e-4 if task == "addition" else cfg.optim.learning_rate)),
       loss=loss, eps_low=None, eps_high=None, routing=routing, seed=seed)
-  if quick:
-    cfg = dataclasses.replace(
-        cfg, rollout=dataclasses.replace(cfg.rollout, prompts_per_iter=16),
-        sft=dataclasses.replace(cfg.sft, steps=60, target_accuracy=0.0, batch_size=64),
-        iterations=6, eval_every=3, eval_size=64)
   return dataclasses.replace(cfg, iterations=iterations) if iterations else cfg
 
 
@@ -78,9 +79,10 @@ def plot(runs, out: str) -> list[str]:
 def main(argv=None):
   return _runs.main(
       argv, doc=__doc__, name="routing_replay", variants=VARIANTS, seeds=(0, 1),
-      config=lambda v, seed, a: config(v, seed, a.quick, a.iterations, a.lr),
+      config=lambda v, seed, a: config(v, seed, a.quick, a.iterations, a.lr, a.task),
       summarise=summarise, plot=plot,
-      add_args=lambda p: p.add_argument("--lr", type=float, default=3e-4))
+      add_args=lambda p: p.add_argument("--lr", type=float, default=None,
+                                        help="default: 3e-4 on addition, else the config file's"))
 
 
 if __name__ == "__main__":

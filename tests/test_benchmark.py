@@ -30,3 +30,21 @@ def test_benchmark_compile_runs(tmp_path, monkeypatch):
   (row,) = record["result"]["rows"]
   assert row["mode"] == "scan" and row["layers"] == 2 and row["update_compile_seconds"] > 0
   assert record["result"]["model"]["scan_layers"] and len(record["load_average_before"]) == 3
+
+
+def test_benchmark_long_runs(tmp_path, monkeypatch):
+  argv = ["benchmark.py", "--out", str(tmp_path), "long", "--new-tokens", "12", "--width", "16",
+          "--vocab", "32", "--prompts", "2", "--group", "2", "--prompt-len", "4", "--rows", "2",
+          "--remat", "none", "--repeats", "1"]
+  monkeypatch.setattr(sys, "argv", argv)
+  runpy.run_path(os.path.join(ROOT, "experiments", "benchmark.py"), run_name="__main__")
+  result = json.load(open(tmp_path / "benchmark_long.json"))["result"]
+  full, varying = result["sampler"]
+  assert full["lengths"] == "full" and varying["lengths"] == "varying"
+  for r in (full, varying):
+    # Kept tokens are the rows' lengths; computed positions are every row at every step.
+    assert r["token_positions_computed"] == 2 * 2 * r["steps"] >= r["tokens_kept"] > 0
+    assert r["wasted_frac"] == 1 - r["tokens_kept"] / r["token_positions_computed"]
+    assert r["length_max"] == r["steps"] <= 12
+  (update,) = result["update"]
+  assert update["T"] == 12 and update["temp_bytes"] > 0 and update["seconds"] > 0

@@ -27,12 +27,15 @@ def finite(tree):
 
 
 @pytest.mark.slow
-def test_gspo_vs_grpo_quick(tmp_path):
-  summary = load("gspo_vs_grpo").main(["--quick", "--seeds", "0", "--iterations", "2",
-                                       "--out", str(tmp_path)])
+def test_gspo_vs_grpo_long_quick(tmp_path):
+  # The long task (its config file's path through `_runs.base_config`); the addition path
+  # runs in the routing-replay and precision tests below.
+  summary = load("gspo_vs_grpo").main(["--task", "long", "--quick", "--seeds", "0",
+                                       "--iterations", "2", "--out", str(tmp_path)])
   assert set(summary) >= {"gspo", "grpo", "clip_ratio_gspo_over_grpo"} and finite(summary)
   for name in ("summary.json", "reward.png", "heldout.png", "reward_vs_time.png",
-               "clip_fraction.png"):
+               "reward_vs_flops.png", "heldout_vs_flops.png", "clip_fraction.png",
+               "clip_by_length.png"):
     assert (tmp_path / name).stat().st_size > 0, name
   assert summary["gspo"]["iterations"] == summary["grpo"]["iterations"] == 2
   # Training seconds come from the loop's own per-iteration wall time.
@@ -40,11 +43,42 @@ def test_gspo_vs_grpo_quick(tmp_path):
   # Same seed, same deterministic cold start: both losses start from the same policy.
   assert summary["gspo"]["heldout_start"] == summary["grpo"]["heldout_start"]
   assert json.loads((tmp_path / "summary.json").read_text())["gspo"]["seeds"] == [0]
+  # The per-length-quartile clip fractions are logged and summarised.
+  assert all(len(summary[loss][f"clip_frac_token_len_q{k}_mean"]) == 1
+             for loss in ("gspo", "grpo") for k in range(1, 5))
+  assert summary["gspo"]["response_length_mean"][0] > 0
   # Experiment 4 on the quick GSPO run's policy.
   gap = load("precision_gap").main(["--quick", "--run", str(tmp_path / "runs" / "gspo_seed0"),
                                     "--out", str(tmp_path / "gap")])
   assert finite(gap) and gap["responses"] > 0 and (tmp_path / "gap" / "log_ratio_hist.png").exists()
   assert gap["tokens"] >= gap["responses"]
+
+
+def test_long_task_configs_of_the_other_experiments():
+  """--task long builds each experiment's variant on configs/long_chain.py (the quick runs
+  above and below exercise the training path)."""
+  replay = load("routing_replay").config("grpo_replay", 1, False, None, None, "long")
+  assert replay.task == "chain" and replay.model.num_experts == 8 and replay.routing == "replay"
+  assert replay.model.vocab_size == 48 and replay.optim.learning_rate == 1e-4 and replay.seed == 1
+  assert load("routing_replay").config("grpo_free", 0, False, None, None,
+                                       "addition").optim.learning_rate == 3e-4
+  bf16 = load("precision_training").config("gspo_sampler", 0, False, 7, "long")
+  assert bf16.task == "chain" and bf16.old_logp == "sampler" and bf16.iterations == 7
+  assert bf16.rollout.sampler_dtype == "bfloat16" and bf16.length_clip_metrics
+
+
+def test_iteration_flops_by_hand():
+  runs = load("_runs")
+  cfg = {"model": {"hidden": 4, "num_layers": 2, "vocab_size": 10, "num_heads": 2,
+                   "head_dim": 3, "num_kv_heads": 1, "mlp_dim": 8},
+         "rollout": {"prompts_per_iter": 2, "group_size": 3, "max_prompt_len": 5,
+                     "max_new_tokens": 7}, "kl_coef": 0.0}
+  # W = 2 layers * (q 4*2*3 + o 2*3*4 + k, v 2*4*1*3 + SwiGLU 3*4*8) = 2 * 168 = 336.
+  # sampling 2*336*(2*5 + 6*4) + 2*4*10*6*4 = 22848 + 1920; teacher 2*336*6*12 + 2*4*10*6*7
+  # = 48384 + 3360 = 51744, four times (pi_old + update's forward and backward).
+  assert runs.iteration_flops(cfg, {"decode_steps": 4}) == 22848 + 1920 + 4 * 51744
+  assert runs.iteration_flops({**cfg, "kl_coef": 0.1}, {"decode_steps": 4}) == (
+      22848 + 1920 + 5 * 51744)
 
 
 def test_gspo_token_equivalence_quick(tmp_path):
@@ -89,3 +123,27 @@ def test_precision_training_quick(tmp_path):
   assert set(summary) == {"gspo_sampler"} and finite(summary)
   assert summary["gspo_sampler"]["iterations"] == 2
   assert (tmp_path / "clip_fraction.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_stability_map_quick(tmp_path):
+  summary = load("stability_map").main(["--quick", "--lengths", "short", "--minibatches", "2",
+                                        "--lrs", "1e-4", "--iterations", "2",
+                                        "--out", str(tmp_path)])
+  assert set(summary["cells"]) == {"short/gspo_mb2_lr0.0001", "short/grpo_mb2_lr0.0001"}
+  assert summary["runs"] == 2 and finite(summary)
+  cells = summary["cells"].values()
+  # One cold start per (length, seed), shared by the cells of that length.
+  assert len({c["heldout_start"][0] for c in cells}) == 1
+  assert (tmp_path / "stability_map.png").stat().st_size > 0
+
+
+def test_collapse_is_every_late_evaluation_below_the_cold_start():
+  collapsed = load("stability_map").collapsed
+  rows = lambda accs: [{"step": s, **({"heldout_accuracy": a} if a is not None else {})}
+                       for s, a in enumerate(accs, 1)]
+  # Steps 1-4 (second half: steps 3, 4).
+  assert collapsed(rows([0.9, None, 0.3, 0.2]), 0.5)
+  assert not collapsed(rows([0.1, None, 0.3, 0.6]), 0.5)      # came back
+  assert not collapsed(rows([0.1, 0.1, None, 0.5]), 0.5)      # equal to the start is not below
+  assert not collapsed(rows([0.1, 0.1, None, None]), 0.5)     # no late evaluation

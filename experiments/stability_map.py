@@ -1,0 +1,158 @@
+"""Where does each loss stay stable? Response length x minibatches per rollout x learning
+rate, for GSPO and GRPO, on the long task (configs/long_chain.py).
+
+The paper's stability claim is about off-policy updates of long responses: GRPO's
+per-token ratios get noisier with length and with each further minibatch drawn from one
+rollout, GSPO's length-normalised sequence ratio does not. The grid:
+
+  length       short / medium / long = task_steps 3 / 6 / 11: worked solutions of 33 / 63
+               / 113 tokens (max_new_tokens 40 / 72 / 120);
+  minibatches  1, 4, 16 per rollout (one on-policy update, then 3 or 15 off-policy ones);
+  lr           1e-4 (the long config's) and 3e-4;
+  loss         GSPO and GRPO at the paper's clip ranges.
+
+Collapse, defined before any run: a run has collapsed when every held-out evaluation in
+the second half of its iterations is below the cold start's held-out accuracy (it fell
+below where RL began and did not come back). Each length has its own cold start per seed,
+shared by every cell of that length.
+
+    python experiments/stability_map.py --quick                   # tiny sizes, 2 cells
+    python experiments/stability_map.py --seeds 0                 # the whole grid, 36 runs
+    python experiments/stability_map.py --lengths long --losses grpo   # a part
+    python experiments/stability_map.py --plot-only
+
+Writes under --out (default experiments/results/stability_map[_quick]):
+<length>/runs/<loss>_mb<M>_lr<lr>_seed<k>/, summary.json, and stability_map.png (final
+held-out gain per cell, collapsed cells marked).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from experiments import _runs  # noqa: E402
+from gspo_jax.config import TrainConfig  # noqa: E402
+
+LENGTHS = {"short": (3, 40), "medium": (6, 72), "long": (11, 120)}   # task_steps, max_new_tokens
+MINIBATCHES = (1, 4, 16)
+LRS = (1e-4, 3e-4)
+LOSSES = ("gspo", "grpo")
+
+
+def variant(loss: str, minibatches: int, lr: float) -> str:
+  return f"{loss}_mb{minibatches}_lr{lr:g}"
+
+
+def config(length: str, loss: str, minibatches: int, lr: float, seed: int, quick: bool,
+           iterations: int | None) -> TrainConfig:
+  """configs/long_chain.py at `length` with 20 iterations, held-out evaluated every 5 on 128
+  problems; each loss at its own (the paper's) clip range."""
+  steps, max_new = LENGTHS[length]
+  cfg = _runs.base_config("long", quick)
+  if quick:  # base_config's quick sizes, at the shortest length
+    steps, max_new = min(steps, 3), min(max_new, 40)
+  else:
+    cfg = dataclasses.replace(cfg, iterations=20, eval_every=5, eval_size=128)
+  cfg = dataclasses.replace(
+      cfg, task_steps=steps, rollout=dataclasses.replace(cfg.rollout, max_new_tokens=max_new),
+      num_minibatches=minibatches, optim=dataclasses.replace(cfg.optim, learning_rate=lr),
+      loss=loss, eps_low=None, eps_high=None, seed=seed)
+  return dataclasses.replace(cfg, iterations=iterations) if iterations else cfg
+
+
+def collapsed(rows: list[dict], start: float) -> bool:
+  """Every held-out evaluation after the run's halfway iteration is below `start` (the cold
+  start's accuracy); False when there is none."""
+  half = len(rows) / 2
+  late = [r["heldout_accuracy"] for r in rows if "heldout_accuracy" in r and r["step"] > half]
+  return bool(late) and all(a < start for a in late)
+
+
+def summarise(out: str, lengths) -> dict:
+  cells = {}
+  for length in lengths:
+    for name, items in _runs.load_runs(os.path.join(out, length)).items():
+      cell = {"seeds": [], "heldout_start": [], "heldout_end": [], "collapsed": [],
+              "clip_frac_token_mean": []}
+      for it in items:
+        start = it["summary"]["heldout_accuracy_start"]
+        cell["seeds"].append(it["seed"])
+        cell["heldout_start"].append(start)
+        cell["heldout_end"].append(it["summary"]["heldout_accuracy_end"])
+        cell["collapsed"].append(collapsed(it["rows"], start))
+        cell["clip_frac_token_mean"].append(
+            float(np.mean([r["clip_frac_token"] for r in it["rows"]])))
+      cell["heldout_gain_mean"] = float(np.mean(np.subtract(cell["heldout_end"],
+                                                            cell["heldout_start"])))
+      cells[f"{length}/{name}"] = cell
+  return {"cells": cells, "collapsed_runs": sum(sum(c["collapsed"]) for c in cells.values()),
+          "runs": sum(len(c["seeds"]) for c in cells.values())}
+
+
+def plot(summary: dict, out: str, lengths, minibatches, lrs) -> str:
+  """One panel per loss: rows = length, columns = (lr, minibatches); colour = mean held-out
+  gain, 'x' = at least one seed collapsed, blank = not run."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, axes = plt.subplots(1, len(LOSSES), figsize=(4 + 2.2 * len(LOSSES), 3.2), squeeze=False)
+  cols = [(lr, m) for lr in lrs for m in minibatches]
+  for ax, loss in zip(axes[0], LOSSES):
+    grid = np.full((len(lengths), len(cols)), np.nan)
+    for i, length in enumerate(lengths):
+      for j, (lr, m) in enumerate(cols):
+        cell = summary["cells"].get(f"{length}/{variant(loss, m, lr)}")
+        if cell:
+          grid[i, j] = cell["heldout_gain_mean"]
+          if any(cell["collapsed"]):
+            ax.text(j, i, "x", ha="center", va="center", fontsize=14)
+    im = ax.imshow(grid, cmap="RdYlGn", vmin=-0.3, vmax=0.3)
+    ax.set_xticks(range(len(cols)), [f"{lr:g}\n{m} mb" for lr, m in cols], fontsize=7)
+    ax.set_yticks(range(len(lengths)), lengths)
+    ax.set_title(loss.upper())
+  fig.colorbar(im, ax=axes[0].tolist(), label="held-out gain (end - cold start)")
+  path = os.path.join(out, "stability_map.png")
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path
+
+
+def main(argv=None) -> dict:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--quick", action="store_true", help="tiny sizes, 2 iterations per cell")
+  parser.add_argument("--lengths", nargs="+", default=list(LENGTHS), choices=list(LENGTHS))
+  parser.add_argument("--minibatches", nargs="+", type=int, default=list(MINIBATCHES))
+  parser.add_argument("--lrs", nargs="+", type=float, default=list(LRS))
+  parser.add_argument("--losses", nargs="+", default=list(LOSSES), choices=list(LOSSES))
+  parser.add_argument("--seeds", nargs="+", type=int, default=[0])
+  parser.add_argument("--iterations", type=int, default=None, help="override (default 20)")
+  parser.add_argument("--plot-only", action="store_true")
+  parser.add_argument("--out", default=None)
+  args = parser.parse_args(argv)
+  out = args.out or os.path.join(ROOT, "experiments", "results",
+                                 "stability_map_quick" if args.quick else "stability_map")
+  if not args.plot_only:
+    for seed in args.seeds:
+      for length in args.lengths:
+        for loss in args.losses:
+          for lr in args.lrs:
+            for m in args.minibatches:
+              cfg = config(length, loss, m, lr, seed, args.quick, args.iterations)
+              _runs.run_one(os.path.join(out, length), variant(loss, m, lr), seed, cfg)
+  summary = summarise(out, [l for l in LENGTHS if os.path.isdir(os.path.join(out, l))])
+  _runs.write_summary(out, summary)
+  print("wrote", os.path.join(out, "summary.json"),
+        plot(summary, out, list(LENGTHS), args.minibatches, args.lrs))
+  return summary
+
+
+if __name__ == "__main__":
+  main()
