@@ -18,6 +18,7 @@ from typing import Any, Literal
 from gspo_jax import _checks, losses, sharding
 from gspo_jax.tasks.chain import DEFAULT_STEPS, Chain
 from gspo_jax.tasks.dataset import DataConfig
+from gspo_jax.tasks.gym import GymConfig, check_settings as check_gym
 from gspo_jax.models.config import ModelConfig, tiny
 
 OLD_LOGP_SOURCES = ("recompute", "sampler")
@@ -100,7 +101,7 @@ class SFTConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-  task: str = "addition"            # a built-in (gspo_jax.tasks.TASKS) or "dataset"
+  task: str = "addition"            # a built-in (gspo_jax.tasks.TASKS), "dataset" or "gym"
   task_digits: int = 2
   # task="chain" only: operations per problem, the difficulty knob of its solution length
   # (about 10 tokens per step at task_digits=1: 5 -> 52, 26 -> 262); None = 12.
@@ -110,6 +111,9 @@ class TrainConfig:
   # (see gspo_jax/rewards.py); the first one decides correctness.
   data: DataConfig = DataConfig()
   reward: tuple[str, ...] = ()
+  # task="gym": a reasoning-gym dataset's problems, scored by its own verifier (then by
+  # `reward`, if set); data.* says how prompts are shown (gspo_jax/tasks/gym.py).
+  gym: GymConfig = GymConfig()
 
   model: ModelConfig = dataclasses.field(default_factory=lambda: tiny(vocab_size=32))
   rollout: RolloutConfig = RolloutConfig()
@@ -195,9 +199,10 @@ class TrainConfig:
     if self.task == "dataset" and not (self.data.train_file and self.reward):
       raise ValueError("task='dataset' needs data.train_file (JSONL) and reward "
                        "(e.g. reward=my_module:my_reward)")
-    if self.task != "dataset" and (self.data.train_file or self.reward):
-      raise ValueError(f"data.train_file and reward apply to task='dataset'; "
-                       f"task is {self.task!r}")
+    if self.task not in ("dataset", "gym") and (self.data.train_file or self.reward):
+      raise ValueError(f"data.train_file and reward apply to task='dataset' (reward also to "
+                       f"task='gym'); task is {self.task!r}")
+    check_gym(self.task, self.gym, self.data)
 
   def loss_kwargs(self) -> dict[str, Any]:
     """Keyword arguments of `losses.LOSSES[self.loss]`: the loss's own defaults

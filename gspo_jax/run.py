@@ -59,10 +59,14 @@ def _layout(params, tx, mesh, cfg: TrainConfig) -> Layout:
 
 
 def make_task(cfg: TrainConfig):
-  """The built-in task `cfg.task`, or for task="dataset" the JSONL prompts and rewards."""
+  """The built-in task `cfg.task`, for task="dataset" the JSONL prompts and rewards, for
+  task="gym" a reasoning-gym dataset (generated here; it needs the optional package)."""
   if cfg.task == "dataset":
     from gspo_jax.tasks import DatasetTask
     return DatasetTask(cfg.data, cfg.reward)
+  if cfg.task == "gym":
+    from gspo_jax.tasks.gym import GymTask
+    return GymTask(cfg.gym, cfg.data, cfg.reward)
   from gspo_jax.tasks import make_task as builtin
   knobs = {} if cfg.task_steps is None else {"steps": cfg.task_steps}
   return builtin(cfg.task, digits=cfg.task_digits, **knobs)

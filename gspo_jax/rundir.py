@@ -55,6 +55,7 @@ REFUSED: dict[str, str] = {
     "data.chat_template": "the prompts as the model sees them",
     "data.system_prompt": "the prompts as the model sees them",
     "reward": "the rewards",
+    "gym": "the problems, the held-out set and the data stream",
     "loss": "the objective",
     "optim": "the optimiser state (its hyperparameters and schedule live in it)",
     "seed": "the data stream and the random keys",

@@ -148,9 +148,15 @@ class DatasetTask(Task):
 
   def __init__(self, cfg: DataConfig, reward_specs: Sequence[str],
                render: Callable[[str], str] | None = None):
+    self._load(cfg, R.load_rewards(reward_specs), *split_records(cfg), render)
+
+  def _load(self, cfg: DataConfig, rewards: Sequence[R.Reward], train: list[dict],
+            heldout: list[dict], render: Callable[[str], str] | None) -> None:
+    """Takes records from anywhere (a file here, a generator in tasks/gym.py): each a dict
+    with the prompt field and SOURCE, checked against the rewards' fields."""
     self.cfg = cfg
-    self.rewards = R.load_rewards(reward_specs)
-    self.train_records, self.heldout_records = split_records(cfg)
+    self.rewards = list(rewards)
+    self.train_records, self.heldout_records = train, heldout
     check_fields(self.rewards, self.train_records + self.heldout_records)
     self.render = render
     self._train = [self.example(r) for r in self.train_records]
