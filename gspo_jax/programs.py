@@ -52,15 +52,17 @@ class Layout:
 
 
 def make_layout(params, tx, mesh: Mesh, with_ref: bool, moe_layers: int = 0,
-                sft_tx=None) -> Layout:
+                sft_tx=None, with_sampler_logp: bool = False) -> Layout:
   """`moe_layers`: how many expert-choice arrays the batch carries (0 unless routing is
-  tracked or replayed); `sft_tx`: the cold start's optimiser (None: no cold start)."""
+  tracked or replayed); `sft_tx`: the cold start's optimiser (None: no cold start);
+  `with_sampler_logp`: the batch keeps the sampler's log-probs (rollout correction)."""
   ps = sharding.param_shardings(params, mesh)
   rep, rows = sharding.replicated(mesh), functools.partial(sharding.batch_sharding, mesh)
   state = TrainState(params=ps, opt_state=sharding.optimizer_shardings(tx, params, ps, mesh),
                      step=rep, key=rep)
   batch = Batch(rows(2), rows(1), rows(3), rows(3), rows(3), rows(3) if with_ref else None,
-                tuple(rows(3) for _ in range(moe_layers)) if moe_layers else None)
+                tuple(rows(3) for _ in range(moe_layers)) if moe_layers else None,
+                rows(3) if with_sampler_logp else None)
   rollout = Rollout(rows(3), rows(3), rows(3), rows(3), rows(2), rows(2), rows(2), rep)
   sft = None if sft_tx is None else sharding.optimizer_shardings(sft_tx, params, ps, mesh)
   return Layout(mesh, state, batch, rollout, sft)
