@@ -51,9 +51,17 @@ class RolloutConfig:
   # Sample with parameters and activations cast to this dtype ("" = the trainer's): a
   # bfloat16 inference engine next to a float32 trainer (paper section 5.4).
   sampler_dtype: Literal["", "float32", "bfloat16"] = ""
+  # DAPO's dynamic sampling (gspo_jax/dynamic.py): sample this many prompts more than
+  # prompts_per_iter, and train on prompts_per_iter groups, those whose rewards are not
+  # all equal first; 0 = off.
+  oversample: int = 0
 
   def __post_init__(self):
     _checks.check_choice("config", "rollout.sampler_dtype", self.sampler_dtype, SAMPLER_DTYPES)
+    if isinstance(self.oversample, bool) or not isinstance(self.oversample, int) \
+        or self.oversample < 0:
+      raise ValueError(f"rollout.oversample must be an int >= 0 (extra prompts sampled per "
+                       f"iteration; 0 = off); got {self.oversample!r}")
     if self.prompts_per_iter < 1 or self.group_size < 2:
       raise ValueError("rollout.prompts_per_iter must be >= 1 and rollout.group_size >= 2 "
                        "(group-normalised advantages need 2 responses per prompt)")
@@ -66,6 +74,12 @@ class RolloutConfig:
       raise ValueError(f"rollout.top_p must be in (0, 1]; got {self.top_p}")
     if self.top_k < 0:
       raise ValueError(f"rollout.top_k must be >= 0 (0 = off); got {self.top_k}")
+
+  @property
+  def sampled_prompts(self) -> int:
+    """B_s: prompts sampled (and scored) per iteration, prompts_per_iter + oversample."""
+    return self.prompts_per_iter + self.oversample
+
 
 @dataclasses.dataclass(frozen=True)
 class RolloutCorrectionConfig:

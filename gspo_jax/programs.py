@@ -76,6 +76,9 @@ def check_layout(cfg: TrainConfig, mesh: Mesh) -> None:
   """Every batch dimension must divide over the batch mesh axes (a clear error otherwise)."""
   r = cfg.rollout
   sharding.check_rows("rollout.prompts_per_iter", r.prompts_per_iter, mesh)
+  if r.oversample:
+    sharding.check_rows("rollout.prompts_per_iter + rollout.oversample (prompts sampled)",
+                        r.sampled_prompts, mesh)
   sharding.check_rows("rows per minibatch (rollout.prompts_per_iter * rollout.group_size / "
                       "num_minibatches)", r.prompts_per_iter * r.group_size // cfg.num_minibatches,
                       mesh)

@@ -22,7 +22,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from gspo_jax import lengths, losses, mismatch, rng, sharding
+from gspo_jax import dynamic, lengths, losses, mismatch, rng, sharding
 from gspo_jax.advantages import group_advantages
 from gspo_jax.config import OptimConfig, SFTConfig, TrainConfig
 from gspo_jax.sampling import Rollout
@@ -306,8 +306,13 @@ def update(state: TrainState, batch: Batch, rewards_BxG: Array, *, graphdef, tx,
   task's, comparable across truncation modes), and "mask" normalises each group over the
   rows `prepare` left in the batch (non-empty mask).
 
-  With `rollout_correction.level` the rollout-correction weights and their metrics
-  (`correction_weights`) are computed here, once over the batch."""
+  With `rollout.oversample` (DAPO's dynamic sampling) the batch and rewards hold
+  B_s = `rollout.sampled_prompts` groups and the update keeps B = `prompts_per_iter` of
+  them, informative first (`dynamic.select_groups`, after the truncation shaping: a group
+  is judged by the rewards its advantages come from); `degenerate_groups_frac` and
+  `dynamic_fill` report what was sampled and what was filled. With
+  `rollout_correction.level` the rollout-correction weights and their metrics
+  (`correction_weights`) are the kept batch's."""
   n_BxG = jnp.sum(batch.mask_BxGxT, axis=-1)
   extra = {}
   if cfg.truncation == "overlong":
@@ -316,6 +321,11 @@ def update(state: TrainState, batch: Batch, rewards_BxG: Array, *, graphdef, tx,
     rewards_BxG = rewards_BxG + penalty_BxG
     extra["overlong_penalty"] = jnp.mean(penalty_BxG)
   valid_BxG = n_BxG > 0 if cfg.truncation == "mask" else None
+  if cfg.rollout.oversample:  # dynamic sampling: B_s groups in, B kept (static shapes)
+    order_B, picked = dynamic.select_groups(rewards_BxG, valid_BxG, cfg.rollout.prompts_per_iter)
+    batch, rewards_BxG = dynamic.take_groups(batch, order_B), rewards_BxG[order_B]
+    valid_BxG = None if valid_BxG is None else valid_BxG[order_B]
+    extra.update(picked)
   adv_BxG = group_advantages(rewards_BxG, valid_BxG=valid_BxG)
   weights_BxGxT, correction = correction_weights(batch, cfg)
   key = rng.device_key(state.key, state.step, "minibatch")
