@@ -25,8 +25,11 @@ OLD_LOGP_SOURCES = ("recompute", "sampler")
 #   free:   every forward routes anew (GSPO needs nothing else);
 #   track:  record pi_old's expert choices, report `routing_changed` per update (diagnostic);
 #   replay: Routing Replay, pi_theta's forward reuses pi_old's recorded expert choices, the
-#           workaround GRPO needs on MoE models.
-ROUTING_MODES = ("free", "track", "replay")
+#           workaround GRPO needs on MoE models (R2);
+#   rollout_replay: Rollout Routing Replay (R3, arXiv 2510.11370), the sampler records its
+#           own expert choices and the pi_old and pi_theta forwards replay those, with the
+#           gate renormalised over them from the trainer's router (gspo_jax/models/moe.py).
+ROUTING_MODES = ("free", "track", "replay", "rollout_replay")
 SAMPLER_DTYPES = ("", "float32", "bfloat16")
 # Responses that hit rollout.max_new_tokens without EOS (gspo_jax/lengths.py says where each
 # acts and why):
@@ -191,7 +194,7 @@ class TrainConfig:
   num_minibatches: int = 4
   old_logp: Literal["recompute", "sampler"] = "recompute"  # "sampler": its log-probs are pi_old
   rollout_correction: RolloutCorrectionConfig = RolloutCorrectionConfig()
-  routing: Literal["free", "track", "replay"] = "free"     # MoE only (see ROUTING_MODES)
+  routing: Literal["free", "track", "replay", "rollout_replay"] = "free"  # MoE: ROUTING_MODES
   kl_coef: float = 0.0
   kl_estimator: Literal["k1", "k2", "k3"] = "k3"
   # Teacher forcing (pi_theta, pi_old, pi_ref) computes each prompt once for its G responses

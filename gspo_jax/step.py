@@ -120,7 +120,8 @@ def prepare(params, ref_params, rollout: Rollout, prompts_BxP, lens_B, *, graphd
   """pi_old (recomputed, or the sampler's with `old_logp="sampler"`), pi_ref (when
   ref_params is given) and, when `cfg.routing` is not "free", pi_old's expert choices
   (from the teacher-forced pass: what the trainer's pi_old routes, also when its log-probs
-  are the sampler's).
+  are the sampler's); with "rollout_replay" (R3) the *sampler's* recorded choices
+  (`Rollout.experts`), which pi_old's forward replays too. pi_ref routes freely.
 
   `truncation="mask"` zeroes the mask of truncated rows here, where the sampler's
   `truncated_BxG` is known and before anything reads the mask: the batch's mask is then
@@ -132,7 +133,9 @@ def prepare(params, ref_params, rollout: Rollout, prompts_BxP, lens_B, *, graphd
     mask = jnp.where(rollout.truncated_BxG[..., None], jnp.zeros((), mask.dtype), mask)
   rows = Batch(prompts_BxP, lens_B, rollout.tokens_BxGxT, mask, rollout.logp_BxGxT)
   old, experts = rollout.logp_BxGxT, None
-  if cfg.old_logp == "recompute" or cfg.routing != "free":
+  if cfg.routing == "rollout_replay":  # R3: pi_old routes as the sampler did
+    old, experts = _rollout_replay_old(params, graphdef, rows, rollout, cfg), rollout.experts
+  elif cfg.old_logp == "recompute" or cfg.routing != "free":
     recomputed, router = policy_logprobs(params, graphdef, rows, cfg)
     old = recomputed if cfg.old_logp == "recompute" else old
     experts = None if cfg.routing == "free" else router.indices
@@ -140,6 +143,14 @@ def prepare(params, ref_params, rollout: Rollout, prompts_BxP, lens_B, *, graphd
   sampler = rollout.logp_BxGxT * mask if cfg.rollout_correction.needs_sampler_logp else None
   return rows.replace(old_logp_BxGxT=old * mask, ref_logp_BxGxT=ref, old_experts=experts,
                       sampler_logp_BxGxT=sampler)
+
+
+def _rollout_replay_old(params, graphdef, rows: Batch, rollout: Rollout, cfg: TrainConfig):
+  """pi_old under Rollout Routing Replay: the trainer's forward with the sampler's expert
+  choices forced (the sampler's own log-probs with `old_logp="sampler"`)."""
+  if cfg.old_logp == "sampler":
+    return rollout.logp_BxGxT
+  return policy_logprobs(params, graphdef, rows, cfg, replay=rollout.experts)[0]
 
 
 def minibatch_loss(params, graphdef, mb: Minibatch, cfg: TrainConfig):
@@ -152,7 +163,7 @@ def minibatch_loss(params, graphdef, mb: Minibatch, cfg: TrainConfig):
   `rollout_correction.off_policy_threshold`) multiply each token's term of the loss and
   of the KL term alike; a weight of 0 removes the token from both, denominators included."""
   rows = mb.rows
-  replay = rows.old_experts if cfg.routing == "replay" else None
+  replay = rows.old_experts if cfg.routing in ("replay", "rollout_replay") else None
   logp, router = policy_logprobs(params, graphdef, rows, cfg, replay=replay)
   flat = lambda x: x.reshape(-1, x.shape[-1])
   mask = flat(rows.mask_BxGxT)
