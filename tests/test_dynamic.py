@@ -71,8 +71,8 @@ def test_the_update_trains_on_the_kept_groups_alone_with_one_compile(policy):
                                                                       num_minibatches=2)
   lengths = np.array([[2, 4, 1, 3], [4, 3, 2, 4], [1, 2, 3, 4]])
   truncated = np.zeros((3, 4), bool)
-  batch = step.prepare(policy[1], None, hand_rollout(lengths, truncated), *prompts_of(3),
-                       graphdef=policy[0], cfg=dyn)
+  prepare = jax.jit(functools.partial(step.prepare, graphdef=policy[0], cfg=dyn))
+  batch = prepare(policy[1], None, hand_rollout(lengths, truncated), *prompts_of(3))
   cases = [(np.array([[1, 1, 1, 1], [0, 1, 0, 2], [.5, 0, 0, 0]]), [1, 2], 0.0, 1 / 3),
            (np.array([[1, 1, 1, 1], [0, 1, 0, 2], [2, 2, 2, 2]]), [1, 0], 0.5, 2 / 3)]
   for rewards, kept, fill, degenerate in cases:
@@ -89,9 +89,11 @@ def test_the_update_trains_on_the_kept_groups_alone_with_one_compile(policy):
 
 def test_a_run_samples_the_extra_prompts_and_compiles_its_update_once(tmp_path):
   from tests.test_mismatch_train import cfg_of as run_cfg
+  # With the rollout correction on too: its weights are the kept groups' (sampler log-probs
+  # selected with their groups).
   cfg = run_cfg(rollout=C.RolloutConfig(prompts_per_iter=2, group_size=4, max_new_tokens=4,
-                                        max_prompt_len=8, oversample=2),
-                rollout_correction=C.RolloutCorrectionConfig())
+                                        max_prompt_len=8, oversample=2))
+  assert cfg.rollout_correction.level == "token"
   run = R.setup(cfg, str(tmp_path))
   seen = []
   T.iterate(run, 0, 2, on_metrics=lambda s, m: seen.append(m))
@@ -99,6 +101,7 @@ def test_a_run_samples_the_extra_prompts_and_compiles_its_update_once(tmp_path):
   # The untrained policy earns reward 0 on every response: every group is degenerate, the
   # batch is all fill (and trains on nothing: zero advantages).
   assert all(m["degenerate_groups_frac"] == 1.0 and m["dynamic_fill"] == 1.0 for m in seen)
+  assert all(abs(m["rollout_corr_weight_mean"] - 1) < 1e-5 for m in seen)  # float32 sampler
   r = rollout_step(run, run.state.params, run.state.key, 2)
   assert r.batch.tokens_BxGxT.shape[0] == 4 and r.rewards_BxG.shape == (4, 4)   # B_s = 2 + 2
 
