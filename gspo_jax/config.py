@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
-from gspo_jax import _checks, losses, sharding
+from gspo_jax import _checks, losses, mismatch, sharding
 from gspo_jax.tasks.chain import DEFAULT_STEPS, Chain
 from gspo_jax.tasks.dataset import DataConfig
 from gspo_jax.tasks.gym import GymConfig, check_settings as check_gym
@@ -26,8 +26,11 @@ OLD_LOGP_SOURCES = ("recompute", "sampler")
 #   free:   every forward routes anew (GSPO needs nothing else);
 #   track:  record pi_old's expert choices, report `routing_changed` per update (diagnostic);
 #   replay: Routing Replay, pi_theta's forward reuses pi_old's recorded expert choices, the
-#           workaround GRPO needs on MoE models.
-ROUTING_MODES = ("free", "track", "replay")
+#           workaround GRPO needs on MoE models (R2);
+#   rollout_replay: Rollout Routing Replay (R3, arXiv 2510.11370), the sampler records its
+#           own expert choices and the pi_old and pi_theta forwards replay those, with the
+#           gate renormalised over them from the trainer's router (gspo_jax/models/moe.py).
+ROUTING_MODES = ("free", "track", "replay", "rollout_replay")
 SAMPLER_DTYPES = ("", "float32", "bfloat16")
 # Responses that hit rollout.max_new_tokens without EOS (gspo_jax/lengths.py says where each
 # acts and why):
@@ -37,6 +40,7 @@ SAMPLER_DTYPES = ("", "float32", "bfloat16")
 #   overlong: DAPO's soft overlong punishment added to every response's reward, falling
 #             from 0 at max_new_tokens - overlong_cache tokens to -1 at max_new_tokens.
 TRUNCATION_MODES = ("count", "mask", "overlong")
+CORRECTION_LEVELS = ("none", *mismatch.LEVELS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,9 +55,17 @@ class RolloutConfig:
   # Sample with parameters and activations cast to this dtype ("" = the trainer's): a
   # bfloat16 inference engine next to a float32 trainer (paper section 5.4).
   sampler_dtype: Literal["", "float32", "bfloat16"] = ""
+  # DAPO's dynamic sampling (gspo_jax/dynamic.py): sample this many prompts more than
+  # prompts_per_iter, and train on prompts_per_iter groups, those whose rewards are not
+  # all equal first; 0 = off.
+  oversample: int = 0
 
   def __post_init__(self):
     _checks.check_choice("config", "rollout.sampler_dtype", self.sampler_dtype, SAMPLER_DTYPES)
+    if isinstance(self.oversample, bool) or not isinstance(self.oversample, int) \
+        or self.oversample < 0:
+      raise ValueError(f"rollout.oversample must be an int >= 0 (extra prompts sampled per "
+                       f"iteration; 0 = off); got {self.oversample!r}")
     if self.prompts_per_iter < 1 or self.group_size < 2:
       raise ValueError("rollout.prompts_per_iter must be >= 1 and rollout.group_size >= 2 "
                        "(group-normalised advantages need 2 responses per prompt)")
@@ -66,6 +78,58 @@ class RolloutConfig:
       raise ValueError(f"rollout.top_p must be in (0, 1]; got {self.top_p}")
     if self.top_k < 0:
       raise ValueError(f"rollout.top_k must be >= 0 (0 = off); got {self.top_k}")
+
+  @property
+  def sampled_prompts(self) -> int:
+    """B_s: prompts sampled (and scored) per iteration, prompts_per_iter + oversample."""
+    return self.prompts_per_iter + self.oversample
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutCorrectionConfig:
+  """Importance weights w = pi_old / pi_sampler on each token of the loss and the KL term
+  (`mismatch.rollout_correction`: TIS truncates, MIS / IcePop masks), for a sampler that
+  differs from the trainer (e.g. rollout.sampler_dtype=bfloat16). pi_old is the trainer's
+  recomputed forward, so this needs old_logp="recompute". Also DeepSeek-V3.2's off-policy
+  sequence mask (`mismatch.off_policy_sequence_mask`), on its own switch."""
+  level: Literal["none", "token", "sequence", "geometric"] = "none"   # "none" = off
+  mode: Literal["truncate", "mask"] = "truncate"
+  threshold: float = 2.0            # C: truncate at it, or mask above it
+  threshold_low: float | None = None   # mode="mask" only: mask below it (None = 1 / threshold)
+  # delta: drop responses with A < 0 whose mean log(pi_sampler / pi_theta) exceeds it; 0 = off.
+  off_policy_threshold: float = 0.0
+
+  def __post_init__(self):
+    _checks.check_choice("config", "rollout_correction.level", self.level, CORRECTION_LEVELS)
+    _checks.check_choice("config", "rollout_correction.mode", self.mode, mismatch.MODES)
+    if not self.threshold > 0:
+      raise ValueError(f"rollout_correction.threshold must be > 0; got {self.threshold}")
+    if self.threshold_low is not None:
+      if self.mode != "mask":
+        raise ValueError("rollout_correction.threshold_low applies to rollout_correction."
+                         f"mode='mask' (truncation caps from above only); mode is {self.mode!r}")
+      if not 0 < self.threshold_low < self.threshold:
+        raise ValueError(f"rollout_correction.threshold_low must be in (0, rollout_correction."
+                         f"threshold={self.threshold}); got {self.threshold_low}")
+    if self.level == "none":
+      default = RolloutCorrectionConfig.__dataclass_fields__
+      for name in ("mode", "threshold", "threshold_low"):
+        if getattr(self, name) != default[name].default:
+          raise ValueError(f"rollout_correction.{name} applies when rollout_correction.level "
+                           f"is set (token, sequence or geometric); level is 'none'")
+    if not self.off_policy_threshold >= 0:
+      raise ValueError("rollout_correction.off_policy_threshold must be >= 0 (0 = off); "
+                       f"got {self.off_policy_threshold}")
+
+  @property
+  def weights(self) -> bool:
+    """Whether the update multiplies the loss by rollout-correction weights."""
+    return self.level != "none"
+
+  @property
+  def needs_sampler_logp(self) -> bool:
+    """Whether the batch keeps the sampler's log-probs next to the recomputed pi_old."""
+    return self.weights or self.off_policy_threshold > 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,7 +197,8 @@ class TrainConfig:
 
   num_minibatches: int = 4
   old_logp: Literal["recompute", "sampler"] = "recompute"  # "sampler": its log-probs are pi_old
-  routing: Literal["free", "track", "replay"] = "free"     # MoE only (see ROUTING_MODES)
+  rollout_correction: RolloutCorrectionConfig = RolloutCorrectionConfig()
+  routing: Literal["free", "track", "replay", "rollout_replay"] = "free"  # MoE: ROUTING_MODES
   kl_coef: float = 0.0
   kl_estimator: Literal["k1", "k2", "k3"] = "k3"
   # Teacher forcing (pi_theta, pi_old, pi_ref) computes each prompt once for its G responses
@@ -167,6 +232,10 @@ class TrainConfig:
     _checks.check_choice("config", "kl_estimator", self.kl_estimator, losses.KL_ESTIMATORS)
     _checks.check_choice("config", "routing", self.routing, ROUTING_MODES)
     check_truncation(self)
+    if self.rollout_correction.weights and self.old_logp == "sampler":
+      raise ValueError(f"rollout_correction.level={self.rollout_correction.level!r} needs "
+                       "old_logp='recompute': with old_logp='sampler' pi_old is the sampler, "
+                       "so every weight pi_old / pi_sampler would be exactly 1")
     if self.aggregation is not None:
       _checks.check_choice("config", "aggregation", self.aggregation, losses.AGGREGATIONS)
     for name, value in self._loss_fields().items():

@@ -52,16 +52,21 @@ class Layout:
 
 
 def make_layout(params, tx, mesh: Mesh, with_ref: bool, moe_layers: int = 0,
-                sft_tx=None) -> Layout:
+                sft_tx=None, with_sampler_logp: bool = False,
+                rollout_experts: bool = False) -> Layout:
   """`moe_layers`: how many expert-choice arrays the batch carries (0 unless routing is
-  tracked or replayed); `sft_tx`: the cold start's optimiser (None: no cold start)."""
+  tracked or replayed); `sft_tx`: the cold start's optimiser (None: no cold start);
+  `with_sampler_logp`: the batch keeps the sampler's log-probs (rollout correction);
+  `rollout_experts`: the rollout carries the sampler's `moe_layers` expert choices (R3)."""
   ps = sharding.param_shardings(params, mesh)
   rep, rows = sharding.replicated(mesh), functools.partial(sharding.batch_sharding, mesh)
   state = TrainState(params=ps, opt_state=sharding.optimizer_shardings(tx, params, ps, mesh),
                      step=rep, key=rep)
   batch = Batch(rows(2), rows(1), rows(3), rows(3), rows(3), rows(3) if with_ref else None,
-                tuple(rows(3) for _ in range(moe_layers)) if moe_layers else None)
-  rollout = Rollout(rows(3), rows(3), rows(3), rows(3), rows(2), rows(2), rows(2), rep)
+                tuple(rows(3) for _ in range(moe_layers)) if moe_layers else None,
+                rows(3) if with_sampler_logp else None)
+  rollout = Rollout(rows(3), rows(3), rows(3), rows(3), rows(2), rows(2), rows(2), rep,
+                    tuple(rows(3) for _ in range(moe_layers)) if rollout_experts else None)
   sft = None if sft_tx is None else sharding.optimizer_shardings(sft_tx, params, ps, mesh)
   return Layout(mesh, state, batch, rollout, sft)
 
@@ -74,6 +79,9 @@ def check_layout(cfg: TrainConfig, mesh: Mesh) -> None:
   """Every batch dimension must divide over the batch mesh axes (a clear error otherwise)."""
   r = cfg.rollout
   sharding.check_rows("rollout.prompts_per_iter", r.prompts_per_iter, mesh)
+  if r.oversample:
+    sharding.check_rows("rollout.prompts_per_iter + rollout.oversample (prompts sampled)",
+                        r.sampled_prompts, mesh)
   sharding.check_rows("rows per minibatch (rollout.prompts_per_iter * rollout.group_size / "
                       "num_minibatches)", r.prompts_per_iter * r.group_size // cfg.num_minibatches,
                       mesh)
@@ -90,6 +98,8 @@ def sampler_configs(tok, cfg: TrainConfig) -> tuple[SamplerConfig, SamplerConfig
                           vocab_limit=tok.vocab_size)
   greedy = dataclasses.replace(rollout, group_size=1, greedy=True, temperature=1.0, top_p=1.0,
                                top_k=0)
+  if cfg.routing == "rollout_replay":  # R3: the rollout records its experts (not the greedy)
+    rollout = dataclasses.replace(rollout, record_experts=True)
   return rollout, greedy
 
 
@@ -123,9 +133,10 @@ def sampler_program(graphdef, scfg: SamplerConfig, layout: Layout, *, model_cfg:
 
   rep = layout.replicated
   ins = (layout.state.params, layout.rows(2), layout.rows(1), rep)
+  outs = layout.rollout if scfg.record_experts else layout.rollout.replace(experts=None)
   if rollout:
-    return jax.jit(run_rollout, in_shardings=(*ins, rep), out_shardings=(layout.rollout, rep))
-  return jax.jit(run, in_shardings=ins, out_shardings=layout.rollout)
+    return jax.jit(run_rollout, in_shardings=(*ins, rep), out_shardings=(outs, rep))
+  return jax.jit(run, in_shardings=ins, out_shardings=outs)
 
 
 @dataclasses.dataclass(frozen=True)

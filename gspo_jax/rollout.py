@@ -8,6 +8,9 @@ decodes and scores them (user reward functions run in Python) while `prepare` ru
 feeds the rewards back; the update program turns them into advantages. The rewards fed back
 are the task's own: `truncation="overlong"` shapes them inside the update, where the
 lengths already are (`step.update`), so `reward_mean` here stays comparable across modes.
+With `rollout.oversample` (dynamic sampling) B is `rollout.sampled_prompts`: every sampled
+group is prepared and scored, the host statistics describe all of them, and the update
+keeps `rollout.prompts_per_iter` groups (`gspo_jax/dynamic.py`).
 
 Multi-host: each process encodes its rows of the prompt batch, decodes and scores the
 responses on its own devices, and feeds its rows of the rewards back; the host metrics are
@@ -41,7 +44,7 @@ def rollout_step(run, params, key, step: int, ref_params=None, log=print) -> Rol
   `run` is a `gspo_jax.run.Run`; `params` and `key` are the policy's and the run's
   (TrainState.params, TrainState.key)."""
   cfg, tok, mesh = run.cfg, run.tok, run.layout.mesh
-  B = cfg.rollout.prompts_per_iter
+  B = cfg.rollout.sampled_prompts  # prompts_per_iter + oversample (dynamic sampling)
   # Data position = a pure function of (seed, iteration): resume is exact.
   examples = sharding.local_part(run.task.train_batch(cfg.seed, step, B), mesh)
   prompts_l, lens_l = run.encode_prompts([e.prompt for e in examples])

@@ -55,7 +55,9 @@ def _rendered(task) -> bool:
 
 def _layout(params, tx, mesh, cfg: TrainConfig) -> Layout:
   sft_tx = sft_optimizer(cfg.sft) if cfg.sft.steps > 0 else None
-  return make_layout(params, tx, mesh, bool(cfg.kl_coef), batch_moe_layers(cfg), sft_tx)
+  return make_layout(params, tx, mesh, bool(cfg.kl_coef), batch_moe_layers(cfg), sft_tx,
+                     cfg.rollout_correction.needs_sampler_logp,
+                     rollout_experts=cfg.routing == "rollout_replay")
 
 
 def make_task(cfg: TrainConfig):

@@ -60,6 +60,7 @@ REFUSED: dict[str, str] = {
     "optim": "the optimiser state (its hyperparameters and schedule live in it)",
     "seed": "the data stream and the random keys",
     "rollout.prompts_per_iter": "the data position (step x prompts per iteration)",
+    "rollout.oversample": "the data position (step x prompts sampled per iteration)",
     "kl_coef": "the KL reference (saved at step 0 only when kl_coef > 0)",
 }
 # Changes that are safe: they change neither the state nor what a step means.

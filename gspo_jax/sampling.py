@@ -14,6 +14,14 @@ reads the prompt keys once per row instead of G copies). Decoding is a
 The returned log-probs are those of the temperature-scaled distribution *before* top-k /
 top-p truncation and vocabulary masking: log softmax(logits / temperature)[token], which is
 what a trainer recomputes with `response_logprobs(..., temperature=...)`.
+
+With `record_experts` (MoE only) the sampler also returns its own expert choices per MoE
+layer in the trainer's replay layout, (B*G, P+T, K): the prefill's for the prompt
+positions (each group's rows share them) and, for response slot t, the choice made when
+token t was fed to the decoder (decode step t + 1). That is what Rollout Routing Replay
+(R3, `routing="rollout_replay"`) replays in training. Slots never fed to the decoder (the
+last response token, which predicts nothing, and those after every response of the batch
+has ended) hold experts 0..K-1: no counted log-prob depends on them.
 """
 
 from __future__ import annotations
@@ -52,6 +60,7 @@ class SamplerConfig:
   top_k: int = 0
   top_p: float = 1.0
   vocab_limit: int | None = None
+  record_experts: bool = False      # return the MoE expert choices (Rollout.experts)
 
   def __post_init__(self):
     if not (isinstance(self.group_size, int) and self.group_size >= 1):
@@ -82,6 +91,8 @@ class Rollout:
   eos_BxG: Array           # bool: ended with EOS
   truncated_BxG: Array     # bool: hit max_new_tokens without EOS
   steps: Array             # int32 scalar: tokens generated per response before the loop exited
+  # With SamplerConfig.record_experts: per MoE layer (B*G, P+T, K) int32 expert choices.
+  experts: tuple[Array, ...] | None = None
 
 
 @flax.struct.dataclass
@@ -93,6 +104,7 @@ class _LoopState:
   logp_BxGxT: Array
   entropy_BxGxT: Array
   cache: KVCache
+  experts_BxGxTxK: tuple[Array, ...] = ()   # per MoE layer, with cfg.record_experts
 
 
 def filter_logits(logits_NxV: Array, cfg: SamplerConfig) -> Array:
@@ -165,12 +177,15 @@ def sample(graphdef, params, prompts_BxP, prompt_lens_B, key, *, cfg: SamplerCon
   G, T = cfg.group_size, cfg.max_new_tokens
   out, valid_BxP, last_BxD = prompt_forward(model, prompts_BxP, prompt_lens_B)
   logits_BxGxV = jnp.broadcast_to(model.logits(last_BxD)[:, None], (B, G, model.cfg.vocab_size))
+  K = model.cfg.experts_per_token
+  experts = tuple(jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32), (B, G, T, K))
+                  for _ in out.router.indices) if cfg.record_experts else ()
   state = _LoopState(t=jnp.zeros((), jnp.int32), last_BxG=jnp.zeros((B, G), jnp.int32),
                      done_BxG=jnp.zeros((B, G), bool),
                      tokens_BxGxT=jnp.full((B, G, T), cfg.pad_id, jnp.int32),
                      logp_BxGxT=jnp.zeros((B, G, T), jnp.float32),
                      entropy_BxGxT=jnp.zeros((B, G, T), jnp.float32),
-                     cache=KVCache.from_prefill(out, valid_BxP, G, T))
+                     cache=KVCache.from_prefill(out, valid_BxP, G, T), experts_BxGxTxK=experts)
   state = _record(state, *pick_token(logits_BxGxV, jax.random.fold_in(key, 0), cfg), cfg)
 
   def cond(s: _LoopState):
@@ -179,12 +194,25 @@ def sample(graphdef, params, prompts_BxP, prompt_lens_B, key, *, cfg: SamplerCon
   def body(s: _LoopState):
     # Token t-1 sits at position prompt_len + t - 1 and is written to cache slot t - 1.
     positions_BxG = jnp.broadcast_to(prompt_lens_B[:, None] + s.t - 1, (B, G))
-    hidden_BxGxD, cache = model.decode(s.last_BxG, positions_BxG, s.cache)
+    if not cfg.record_experts:
+      hidden_BxGxD, cache = model.decode(s.last_BxG, positions_BxG, s.cache)
+    else:  # the choices for token t - 1 go to its slot (see the module docstring)
+      hidden_BxGxD, cache, idx = model.decode(s.last_BxG, positions_BxG, s.cache,
+                                              with_experts=True)
+      s = s.replace(experts_BxGxTxK=tuple(
+          jax.lax.dynamic_update_slice_in_dim(buf, i.reshape(B, G, 1, K), s.t - 1, 2)
+          for buf, i in zip(s.experts_BxGxTxK, idx)))
     picked = pick_token(model.logits(hidden_BxGxD), jax.random.fold_in(key, s.t), cfg)
     return _record(s.replace(cache=cache), *picked, cfg)
 
   state = jax.lax.while_loop(cond, body, state)
-  return _finish(state.tokens_BxGxT, state.logp_BxGxT, state.entropy_BxGxT, state.t, cfg)
+  rollout = _finish(state.tokens_BxGxT, state.logp_BxGxT, state.entropy_BxGxT, state.t, cfg)
+  if not cfg.record_experts:
+    return rollout
+  # Replay layout (B*G, P+T, K): each group's rows share their prompt's prefill choices.
+  return rollout.replace(experts=tuple(
+      jnp.concatenate([jnp.repeat(p, G, axis=0), r.reshape(B * G, T, K)], axis=1)
+      for p, r in zip(out.router.indices, state.experts_BxGxTxK)))
 
 
 def _finish(tokens_BxGxT, logp_BxGxT, entropy_BxGxT, steps, cfg: SamplerConfig) -> Rollout:

@@ -22,7 +22,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from gspo_jax import lengths, losses, rng, sharding
+from gspo_jax import dynamic, lengths, losses, mismatch, rng, sharding
 from gspo_jax.advantages import group_advantages
 from gspo_jax.config import OptimConfig, SFTConfig, TrainConfig
 from gspo_jax.sampling import Rollout
@@ -51,6 +51,9 @@ class Batch:
   ref_logp_BxGxT: Array | None = None
   # pi_old's expert choices per MoE layer, (B*G, S, K) int32 each (routing track / replay).
   old_experts: tuple[Array, ...] | None = None
+  # The sampler's log-probs next to the recomputed pi_old (0 where masked); present only
+  # when the rollout correction or the off-policy mask reads them.
+  sampler_logp_BxGxT: Array | None = None
 
 
 @flax.struct.dataclass
@@ -58,6 +61,8 @@ class Minibatch:
   """`b` prompts with `g` responses each (see the module legend) and their advantages."""
   rows: Batch                     # prompts_bxP, tokens_bxgxT, ...; old_experts (b*g, S, K)
   adv_bxg: Array
+  # Rollout-correction weights (`correction_weights`), 0 where masked; None when off.
+  token_weights_bxgxT: Array | None = None
 
 
 def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
@@ -115,7 +120,8 @@ def prepare(params, ref_params, rollout: Rollout, prompts_BxP, lens_B, *, graphd
   """pi_old (recomputed, or the sampler's with `old_logp="sampler"`), pi_ref (when
   ref_params is given) and, when `cfg.routing` is not "free", pi_old's expert choices
   (from the teacher-forced pass: what the trainer's pi_old routes, also when its log-probs
-  are the sampler's).
+  are the sampler's); with "rollout_replay" (R3) the *sampler's* recorded choices
+  (`Rollout.experts`), which pi_old's forward replays too. pi_ref routes freely.
 
   `truncation="mask"` zeroes the mask of truncated rows here, where the sampler's
   `truncated_BxG` is known and before anything reads the mask: the batch's mask is then
@@ -127,37 +133,90 @@ def prepare(params, ref_params, rollout: Rollout, prompts_BxP, lens_B, *, graphd
     mask = jnp.where(rollout.truncated_BxG[..., None], jnp.zeros((), mask.dtype), mask)
   rows = Batch(prompts_BxP, lens_B, rollout.tokens_BxGxT, mask, rollout.logp_BxGxT)
   old, experts = rollout.logp_BxGxT, None
-  if cfg.old_logp == "recompute" or cfg.routing != "free":
+  if cfg.routing == "rollout_replay":  # R3: pi_old routes as the sampler did
+    old, experts = _rollout_replay_old(params, graphdef, rows, rollout, cfg), rollout.experts
+  elif cfg.old_logp == "recompute" or cfg.routing != "free":
     recomputed, router = policy_logprobs(params, graphdef, rows, cfg)
     old = recomputed if cfg.old_logp == "recompute" else old
     experts = None if cfg.routing == "free" else router.indices
   ref = None if ref_params is None else policy_logprobs(ref_params, graphdef, rows, cfg)[0]
-  return rows.replace(old_logp_BxGxT=old * mask, ref_logp_BxGxT=ref, old_experts=experts)
+  sampler = rollout.logp_BxGxT * mask if cfg.rollout_correction.needs_sampler_logp else None
+  return rows.replace(old_logp_BxGxT=old * mask, ref_logp_BxGxT=ref, old_experts=experts,
+                      sampler_logp_BxGxT=sampler)
+
+
+def _rollout_replay_old(params, graphdef, rows: Batch, rollout: Rollout, cfg: TrainConfig):
+  """pi_old under Rollout Routing Replay: the trainer's forward with the sampler's expert
+  choices forced (the sampler's own log-probs with `old_logp="sampler"`)."""
+  if cfg.old_logp == "sampler":
+    return rollout.logp_BxGxT
+  return policy_logprobs(params, graphdef, rows, cfg, replay=rollout.experts)[0]
 
 
 def minibatch_loss(params, graphdef, mb: Minibatch, cfg: TrainConfig):
   """The chosen loss (+ kl_coef * KL when a reference is given) on one minibatch, and with
   `cfg.length_clip_metrics` its clip fractions per length quartile
-  (`lengths.clip_by_length`, no gradient)."""
+  (`lengths.clip_by_length`, no gradient).
+
+  Token weights (the minibatch's rollout-correction weights, times DeepSeek-V3.2's
+  off-policy sequence mask of pi_theta against the sampler with
+  `rollout_correction.off_policy_threshold`) multiply each token's term of the loss and
+  of the KL term alike; a weight of 0 removes the token from both, denominators included."""
   rows = mb.rows
-  replay = rows.old_experts if cfg.routing == "replay" else None
+  replay = rows.old_experts if cfg.routing in ("replay", "rollout_replay") else None
   logp, router = policy_logprobs(params, graphdef, rows, cfg, replay=replay)
   flat = lambda x: x.reshape(-1, x.shape[-1])
   mask = flat(rows.mask_BxGxT)
   loss_fn, args = losses.LOSSES[cfg.loss], (flat(logp), flat(rows.old_logp_BxGxT),
                                             mb.adv_bxg.reshape(-1), mask)
-  loss, metrics = loss_fn(*args, **cfg.loss_kwargs())
+  weights, metrics = token_weights(flat(logp), mb, cfg)
+  kwargs = cfg.loss_kwargs() if weights is None else {**cfg.loss_kwargs(),
+                                                      "token_weights_BxT": weights}
+  loss, loss_metrics = loss_fn(*args, **kwargs)
+  metrics = {**loss_metrics, **metrics}
   if cfg.length_clip_metrics:
-    metrics = {**metrics, **lengths.clip_by_length(loss_fn, *args, **cfg.loss_kwargs())}
+    metrics = {**metrics, **lengths.clip_by_length(loss_fn, *args, **kwargs)}
   if rows.ref_logp_BxGxT is not None:
+    kl_weights = {} if weights is None else {"token_weights_BxT": weights}
     kl, kl_metrics = losses.kl_loss(flat(logp), flat(rows.ref_logp_BxGxT), mask,
-                                    estimator=cfg.kl_estimator, aggregation=cfg.kl_aggregation)
+                                    estimator=cfg.kl_estimator, aggregation=cfg.kl_aggregation,
+                                    **kl_weights)
     loss = loss + cfg.kl_coef * kl
     metrics = {**metrics, **kl_metrics, "loss": jax.lax.stop_gradient(loss)}
   if cfg.routing == "track":
     metrics = {**metrics, "routing_changed": routing_changed(router.indices, rows.old_experts,
                                                              mask)}
   return loss, metrics
+
+
+def token_weights(logp_RxT: Array, mb: Minibatch, cfg: TrainConfig):
+  """(weights_RxT or None, metrics): the minibatch's rollout-correction weights, times the
+  off-policy sequence mask when `rollout_correction.off_policy_threshold` > 0 (it reads
+  pi_theta, so it is decided here, per minibatch; `logp_RxT` enters as a constant)."""
+  flat = lambda x: x.reshape(-1, x.shape[-1])
+  weights = None if mb.token_weights_bxgxT is None else flat(mb.token_weights_bxgxT)
+  delta = cfg.rollout_correction.off_policy_threshold
+  if not delta:
+    return weights, {}
+  keep, metrics = mismatch.off_policy_sequence_mask(
+      logp_RxT, flat(mb.rows.sampler_logp_BxGxT), mb.adv_bxg.reshape(-1),
+      flat(mb.rows.mask_BxGxT), threshold=delta)
+  return (keep if weights is None else weights * keep), metrics
+
+
+def correction_weights(batch: Batch, cfg: TrainConfig):
+  """(weights_BxGxT, metrics) of `mismatch.rollout_correction` over the whole batch (the
+  metrics are the iteration's, over all its counted tokens), or (None, {}) when
+  `rollout_correction.level` is "none". The weights depend on pi_old and the sampler only,
+  so they are computed once per iteration, before the minibatches."""
+  rc = cfg.rollout_correction
+  if not rc.weights:
+    return None, {}
+  flat = lambda x: x.reshape(-1, x.shape[-1])
+  weights, metrics = mismatch.rollout_correction(
+      flat(batch.old_logp_BxGxT), flat(batch.sampler_logp_BxGxT), flat(batch.mask_BxGxT),
+      level=rc.level, mode=rc.mode, threshold=rc.threshold, threshold_low=rc.threshold_low)
+  return weights.reshape(batch.mask_BxGxT.shape), metrics
 
 
 def routing_changed(new_experts, old_experts, mask_RxT: Array) -> Array:
@@ -184,6 +243,8 @@ def apply_step(state_parts, mb: Minibatch, *, graphdef, tx, cfg: TrainConfig):
   ok = jnp.isfinite(grad_norm) & jnp.isfinite(metrics["loss"])
   if cfg.truncation == "mask":
     ok = ok & (jnp.sum(mb.rows.mask_BxGxT) > 0)
+  if mb.token_weights_bxgxT is not None:  # every token weighted out: as if dropped, too
+    ok = ok & (jnp.sum(mb.token_weights_bxgxT) > 0)
   updates, new_opt = tx.update(grads, opt_state, params)
   new_params = optax.apply_updates(params, updates)
   keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
@@ -200,10 +261,12 @@ def minibatch_order(key: Array, rows: int, group: int) -> Array:
 
 
 def split_minibatches(key: Array, batch: Batch, adv_BxG: Array, cfg: TrainConfig,
-                      mesh: Mesh | None = None) -> Minibatch:
+                      mesh: Mesh | None = None, weights_BxGxT: Array | None = None
+                      ) -> Minibatch:
   """Shuffle and split into `num_minibatches` stacked minibatches (leading axis). With
   `share_prompts` whole groups are shuffled (a group's prompt is then computed once);
-  otherwise single rows from any group, each with its own prompt."""
+  otherwise single rows from any group, each with its own prompt. `weights_BxGxT` (token
+  weights) are split with their rows."""
   B, G, T = batch.tokens_BxGxT.shape
   M = cfg.num_minibatches
   if cfg.share_prompts:
@@ -216,6 +279,7 @@ def split_minibatches(key: Array, batch: Batch, adv_BxG: Array, cfg: TrainConfig
     experts = lambda e: e[order].reshape(M, -1, *e.shape[1:])
   prompt_of = order if cfg.share_prompts else order // G
   stack = lambda x: constrain(x.reshape(M, -1, *x.shape[1:]), mesh)
+  rows_of = lambda x: None if x is None else stack(take(x))
   rows = Batch(prompts_BxP=stack(batch.prompts_BxP[prompt_of]),
                prompt_lens_B=stack(batch.prompt_lens_B[prompt_of]),
                tokens_BxGxT=stack(take(batch.tokens_BxGxT)),
@@ -224,9 +288,10 @@ def split_minibatches(key: Array, batch: Batch, adv_BxG: Array, cfg: TrainConfig
                ref_logp_BxGxT=None if batch.ref_logp_BxGxT is None else
                stack(take(batch.ref_logp_BxGxT)),
                old_experts=None if batch.old_experts is None else
-               tuple(constrain(experts(e), mesh) for e in batch.old_experts))
+               tuple(constrain(experts(e), mesh) for e in batch.old_experts),
+               sampler_logp_BxGxT=rows_of(batch.sampler_logp_BxGxT))
   adv = adv_BxG[order] if cfg.share_prompts else adv_BxG.reshape(B * G, 1)[order]
-  return Minibatch(rows, stack(adv))
+  return Minibatch(rows, stack(adv), rows_of(weights_BxGxT))
 
 
 def constrain(x_MxN: Array, mesh: Mesh | None) -> Array:
@@ -250,7 +315,15 @@ def update(state: TrainState, batch: Batch, rewards_BxG: Array, *, graphdef, tx,
   become advantages: "overlong" adds DAPO's `lengths.overlong_penalty` of each response's
   length (reported as `overlong_penalty`, its mean; the host's reward metrics stay the
   task's, comparable across truncation modes), and "mask" normalises each group over the
-  rows `prepare` left in the batch (non-empty mask)."""
+  rows `prepare` left in the batch (non-empty mask).
+
+  With `rollout.oversample` (DAPO's dynamic sampling) the batch and rewards hold
+  B_s = `rollout.sampled_prompts` groups and the update keeps B = `prompts_per_iter` of
+  them, informative first (`dynamic.select_groups`, after the truncation shaping: a group
+  is judged by the rewards its advantages come from); `degenerate_groups_frac` and
+  `dynamic_fill` report what was sampled and what was filled. With
+  `rollout_correction.level` the rollout-correction weights and their metrics
+  (`correction_weights`) are the kept batch's."""
   n_BxG = jnp.sum(batch.mask_BxGxT, axis=-1)
   extra = {}
   if cfg.truncation == "overlong":
@@ -259,14 +332,20 @@ def update(state: TrainState, batch: Batch, rewards_BxG: Array, *, graphdef, tx,
     rewards_BxG = rewards_BxG + penalty_BxG
     extra["overlong_penalty"] = jnp.mean(penalty_BxG)
   valid_BxG = n_BxG > 0 if cfg.truncation == "mask" else None
+  if cfg.rollout.oversample:  # dynamic sampling: B_s groups in, B kept (static shapes)
+    order_B, picked = dynamic.select_groups(rewards_BxG, valid_BxG, cfg.rollout.prompts_per_iter)
+    batch, rewards_BxG = dynamic.take_groups(batch, order_B), rewards_BxG[order_B]
+    valid_BxG = None if valid_BxG is None else valid_BxG[order_B]
+    extra.update(picked)
   adv_BxG = group_advantages(rewards_BxG, valid_BxG=valid_BxG)
+  weights_BxGxT, correction = correction_weights(batch, cfg)
   key = rng.device_key(state.key, state.step, "minibatch")
-  minibatches = split_minibatches(key, batch, adv_BxG, cfg, mesh)
+  minibatches = split_minibatches(key, batch, adv_BxG, cfg, mesh, weights_BxGxT)
   step = lambda parts, mb: apply_step(parts, mb, graphdef=graphdef, tx=tx, cfg=cfg)
   (params, opt_state), metrics = jax.lax.scan(step, (state.params, state.opt_state), minibatches)
   summary = {k: jnp.mean(v) for k, v in metrics.items() if not lengths.is_bin_count(k)}
   summary["skipped_updates"] = jnp.sum(metrics["skipped_updates"])
   summary["ratio_max"] = jnp.max(metrics["ratio_max"])
   summary["ratio_min"] = jnp.min(metrics["ratio_min"])
-  summary.update(lengths.pool_minibatches(metrics), **extra)
+  summary.update(lengths.pool_minibatches(metrics), **extra, **correction)
   return state.replace(params=params, opt_state=opt_state, step=state.step + 1), summary

@@ -197,11 +197,11 @@ def train(cfg: TrainConfig, run_dir: str, *, resume: bool = False, checkpoint_ev
       cut = rundir.cut_metrics(run_dir, start)
       if cut:
         _log(cut)
-    position = run.task.position(start, cfg.rollout.prompts_per_iter)
+    position = run.task.position(start, cfg.rollout.sampled_prompts)
     if position is not None:
       _log(f"data position at step {start}: epoch {position[0]}, index {position[1]} of "
            f"{len(run.task.train_records)} training records")
-    first = run.task.train_batch(cfg.seed, start, cfg.rollout.prompts_per_iter)[0]
+    first = run.task.train_batch(cfg.seed, start, cfg.rollout.sampled_prompts)[0]
     _log(f"first prompt as the model sees it: {first.prompt!r}")
     summary: dict[str, Any] = {"heldout_accuracy_start": evaluate_now()}
     _log(f"held-out accuracy at step {start}: {summary['heldout_accuracy_start']:.3f}")

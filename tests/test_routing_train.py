@@ -171,3 +171,90 @@ def test_replayed_update_sharded_equals_single_device(run, tmp_path):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=0.01 * cfg.optim.learning_rate)
   assert got_state.params is not None and sharded.layout.batch.old_experts[0].spec[0] == ("data",
                                                                                           "fsdp")
+
+
+# -- Rollout Routing Replay (R3): the sampler's own expert choices -------------------------
+
+def r3_run(run, **rollout):
+  cfg = dataclasses.replace(run.cfg, routing="rollout_replay",
+                            rollout=dataclasses.replace(run.cfg.rollout, **rollout))
+  return run.reconfigure(cfg)
+
+
+def fed_positions(batch, steps):
+  """(rows, P+T) bool: the positions whose expert choice can reach a counted log-prob and
+  that the sampler fed through its model: valid prompt tokens, and response slots
+  0..steps-2 (slot t is fed at decode step t + 1)."""
+  P, T = batch.prompts_BxP.shape[1], batch.tokens_BxGxT.shape[-1]
+  G = batch.tokens_BxGxT.shape[1]
+  lens = np.repeat(np.asarray(batch.prompt_lens_B), G)
+  prompt = np.arange(P)[None] < lens[:, None]
+  response = np.broadcast_to(np.arange(T)[None] < steps - 1, (len(lens), T))
+  return np.concatenate([prompt, response], axis=1)
+
+
+def changed(a, b):
+  return np.any(np.sort(np.asarray(a), -1) != np.sort(np.asarray(b), -1), -1)
+
+
+def test_float32_sampler_records_the_trainers_own_choices(run):
+  r3 = r3_run(run)
+  r = rollout_step(r3, r3.state.params, r3.state.key, 0)
+  batch, steps = r.batch, int(r.device_stats["decode_steps"])
+  K = r3.cfg.model.experts_per_token
+  _, router = forward(run, run.state.params, batch)
+  fed = fed_positions(batch, steps)
+  assert len(batch.old_experts) == r3.cfg.model.num_moe_layers
+  for got, want in zip(batch.old_experts, router.indices):
+    assert got.shape == want.shape and not np.any(changed(got, want)[fed])
+    # The last response slot predicts nothing and is never fed: it holds experts 0..K-1.
+    np.testing.assert_array_equal(np.asarray(got)[:, -1], np.broadcast_to(np.arange(K), (len(got), K)))
+  # So at theta = theta_old one minibatch step with R3 is free routing's step.
+  rewards = jnp.asarray(np.random.default_rng(0).normal(size=r.rewards_BxG.shape), jnp.float32)
+  outs = []
+  for mode, b in (("rollout_replay", batch), ("free", batch.replace(old_experts=None))):
+    one = run.reconfigure(dataclasses.replace(r3.cfg, routing=mode, num_minibatches=1))
+    new, m = one.programs.update(jax.tree.map(jnp.copy, run.state), b, rewards)
+    outs.append((jax.tree.leaves(new.params), float(m["loss"]), float(m["ratio_max"])))
+  assert outs[0][1] == pytest.approx(outs[1][1], rel=1e-6) and outs[0][2] == pytest.approx(1.0)
+  for a, b in zip(outs[0][0], outs[1][0]):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-3 * run.cfg.optim.learning_rate)
+
+
+def near_tied_router(params):
+  """Expert 1's router column = expert 0's + 1e-3 of its own: the two are a near-tie in
+  float32 (decided by the 1e-3 part) and often an exact tie after the bfloat16 cast, so a
+  bf16 sampler routes many tokens differently from the float32 trainer."""
+  def tie(path, x):
+    if "router" not in jax.tree_util.keystr(path):
+      return x
+    return x.at[:, 1].set(x[:, 0] + 1e-3 * x[:, 1])
+  return jax.tree_util.tree_map_with_path(tie, params)
+
+
+def test_bfloat16_sampler_choices_are_replayed_in_training(run):
+  r3 = r3_run(run, sampler_dtype="bfloat16")
+  params = near_tied_router(run.state.params)
+  r = rollout_step(r3, params, r3.state.key, 0)
+  batch, mask = r.batch, flat(r.batch.mask_BxGxT)
+  fed = fed_positions(batch, int(r.device_stats["decode_steps"]))
+  free_logp, free = forward(r3, params, batch)
+  differs = [changed(s, f)[fed].mean() for s, f in zip(batch.old_experts, free.indices)]
+  assert max(differs) > 0.05          # the sampler's experts are not the trainer's
+  # pi_old and pi_theta forwards use the sampler's experts, not their own.
+  forced, router = forward(r3, params, batch, replay=batch.old_experts)
+  for used, recorded in zip(router.indices, batch.old_experts):
+    np.testing.assert_array_equal(used, recorded)
+  np.testing.assert_allclose(flat(batch.old_logp_BxGxT), np.asarray(forced) * mask, rtol=1e-5,
+                             atol=1e-6)   # prepare's compiled forward against an eager one
+  assert float(jnp.max(jnp.abs(forced - free_logp) * mask)) > 0
+  rewards = jnp.asarray(np.random.default_rng(1).normal(size=r.rewards_BxG.shape), jnp.float32)
+  from gspo_jax.advantages import group_advantages
+  mb = step.Minibatch(batch, group_advantages(rewards))
+  loss, _ = step.minibatch_loss(params, r3.graphdef, mb, r3.cfg)
+  want, _ = losses.LOSSES[r3.cfg.loss](forced, flat(batch.old_logp_BxGxT), mb.adv_bxg.reshape(-1),
+                                       mask, **r3.cfg.loss_kwargs())
+  np.testing.assert_allclose(float(loss), float(want), rtol=1e-6)
+  new, m = r3.programs.update(jax.tree.map(jnp.copy, r3.state.replace(params=params)), batch,
+                              rewards)
+  assert float(m["skipped_updates"]) == 0 and np.isfinite(float(m["loss"]))

@@ -240,9 +240,11 @@ class Transformer(nnx.Module):
       vs.append(v)
     return ModelOutput(self.final_norm(x), tuple(ks), tuple(vs), RouterInfo(tuple(indices), aux))
 
-  def decode(self, tokens_BxG: Array, positions_BxG: Array, cache: KVCache
-             ) -> tuple[Array, KVCache]:
-    """One token per response: write its keys at `cache.index`, attend, return hidden_BxGxD."""
+  def decode(self, tokens_BxG: Array, positions_BxG: Array, cache: KVCache, *,
+             with_experts: bool = False):
+    """One token per response: write its keys at `cache.index`, attend; returns
+    (hidden_BxGxD, cache), and with `with_experts` also the expert choices of the tokens
+    fed, per MoE layer (B*G, 1, K) int32 (what Rollout Routing Replay records)."""
     B, G = tokens_BxG.shape
     T = cache.k[0].shape[3]
     pos = positions_BxG.reshape(B * G, 1)
@@ -261,8 +263,8 @@ class Transformer(nnx.Module):
       o = attend(q.reshape(B, G, 1, *q.shape[2:]), shared=(prefix_k, prefix_v, prefix_mask),
                  own=(k_buf, v_buf, own_mask), heads_first=True)
       x = x + layer.attn.out(o.reshape(B * G, 1, *o.shape[3:])).astype(x.dtype)
-      x, _, _ = layer.feed_forward(x, None, None)
-      return x, (k_buf, v_buf)
+      x, idx, _ = layer.feed_forward(x, None, None)
+      return x, (k_buf, v_buf, idx)
 
     if self.cfg.scan_layers:
       graphdef, params = nnx.split(self.layers)
@@ -271,25 +273,29 @@ class Transformer(nnx.Module):
         # The response caches ride in the carry and only the new token is written back (in
         # place); as scan outputs they would be copied whole at every decode step.
         x, k_all, v_all, i = carry
-        x, (k_i, v_i) = layer_fn(graphdef, xs[0], x, k_all[i], v_all[i], *xs[1:])
+        x, (k_i, v_i, idx) = layer_fn(graphdef, xs[0], x, k_all[i], v_all[i], *xs[1:])
         write = lambda buf, new: jax.lax.dynamic_update_slice(
             buf, jax.lax.dynamic_slice_in_dim(new, cache.index, 1, 3)[None],
             (i, 0, 0, 0, cache.index, 0))
-        return (x, write(k_all, k_i), write(v_all, v_i), i + 1), None
+        return (x, write(k_all, k_i), write(v_all, v_i), i + 1), idx if with_experts else None
 
-      (x, new_k, new_v, _), _ = jax.lax.scan(
+      (x, new_k, new_v, _), idx = jax.lax.scan(
           body, (x, cache.k, cache.v, jnp.zeros((), jnp.int32)),
           (params, cache.prefix_k, cache.prefix_v))
+      experts = () if idx is None else tuple(idx)   # scan_layers: every layer is MoE or none
     else:
-      new_k, new_v = [], []
+      new_k, new_v, experts = [], [], []
       for i, layer in enumerate(self.layers):
-        x, (k_i, v_i) = layer_fn(*nnx.split(layer), x, cache.k[i], cache.v[i],
-                                 cache.prefix_k[i], cache.prefix_v[i])
+        x, (k_i, v_i, idx) = layer_fn(*nnx.split(layer), x, cache.k[i], cache.v[i],
+                                      cache.prefix_k[i], cache.prefix_v[i])
         new_k.append(k_i)
         new_v.append(v_i)
-      new_k, new_v = tuple(new_k), tuple(new_v)
+        if idx is not None:
+          experts.append(idx)
+      new_k, new_v, experts = tuple(new_k), tuple(new_v), tuple(experts)
     cache = cache.replace(k=new_k, v=new_v, index=cache.index + 1)
-    return self.final_norm(x).reshape(B, G, -1), cache
+    hidden_BxGxD = self.final_norm(x).reshape(B, G, -1)
+    return (hidden_BxGxD, cache, experts) if with_experts else (hidden_BxGxD, cache)
 
   def _check_replay(self, replay):
     if replay is not None and len(replay) != self.cfg.num_moe_layers:

@@ -11,7 +11,8 @@ required; every other field (e.g. "answer") is passed through to the reward func
 
 Data order is a pure function of (seed, iteration), as for the built-in tasks, so a
 resumed run sees exactly the prompts an uninterrupted one would, with no extra state:
-    position p = iteration * B + j       (j < B, B = rollout.prompts_per_iter)
+    position p = iteration * B + j       (j < B, B = rollout.sampled_prompts: prompts_per_iter
+                                          + oversample)
     epoch e = p // N,  record = perm_e[p % N],  perm_e = permutation of N from (seed, e)
 Every process computes the same global batch (multi-host keeps its own rows of it).
 
