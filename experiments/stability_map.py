@@ -150,7 +150,8 @@ def main(argv=None) -> dict:
   summary = summarise(out, [l for l in LENGTHS if os.path.isdir(os.path.join(out, l))])
   _runs.write_summary(out, summary)
   print("wrote", os.path.join(out, "summary.json"),
-        plot(summary, out, list(LENGTHS), args.minibatches, args.lrs))
+        plot(summary, out, list(LENGTHS), sorted(set(MINIBATCHES) | set(args.minibatches)),
+             sorted(set(LRS) | set(args.lrs))))
   return summary
 
 
