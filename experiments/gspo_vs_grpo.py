@@ -49,8 +49,15 @@ LENGTH_KEYS = ("response_length", "response_length_p90", "truncated_frac")
 
 
 def summarise(runs: dict[str, list[dict]]) -> dict:
-  keys = ("clip_frac_token", "clip_frac_seq") + BIN_KEYS + LENGTH_KEYS
+  keys = ("clip_frac_token", "clip_frac_seq") + LENGTH_KEYS
   out = {loss: _runs.summarise(items, mean_keys=keys) for loss, items in runs.items()}
+  for loss, items in runs.items():  # per length quartile: over the iterations it had responses
+    for key in BIN_KEYS:
+      q = key[-2:]
+      vals = [[r[key] for r in it["rows"] if r.get(f"response_frac_len_{q}", 0) > 0 and key in r]
+              for it in items]
+      out[loss][f"{key}_mean"] = [float(np.mean(v)) if v else None for v in vals]
+      out[loss][f"iterations_with_len_{q}"] = [len(v) for v in vals]
   if {"gspo", "grpo"} <= set(out):
     grpo = float(np.mean(out["grpo"]["clip_frac_token_mean"]))
     out["clip_ratio_gspo_over_grpo"] = (  # None: GRPO clipped no token at all
