@@ -1,0 +1,103 @@
+"""Contracts of the train step that the rest of the suite let slip (tests/mutation.py found a
+one-line bug in each that every other test passed): which log-probs become pi_old, the sign
+of the KL term, the direction of the cold start's loss.
+
+Tiny model, pure step functions under jit, no run directory.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from gspo_jax import config as C
+from gspo_jax import sampling, step
+from gspo_jax.models import transformer
+from gspo_jax.models.config import tiny
+
+MODEL = tiny(vocab_size=24, hidden=32, mlp_dim=64, num_heads=2, num_kv_heads=1, head_dim=16,
+             num_layers=1)
+B, G, T, P = 2, 4, 4, 3
+
+
+def cfg_of(**kw) -> C.TrainConfig:
+  return C.TrainConfig(**{**dict(model=MODEL, rollout=C.RolloutConfig(
+      prompts_per_iter=B, group_size=G, max_new_tokens=T, max_prompt_len=P),
+      sft=C.SFTConfig(steps=0), num_minibatches=1), **kw})
+
+
+@pytest.fixture(scope="module")
+def setting():
+  graphdef, params = nnx.split(transformer.create(MODEL, seed=4), nnx.Param)
+  rng = np.random.default_rng(1)
+  prompts = jnp.asarray(rng.integers(2, MODEL.vocab_size, (B, P)), jnp.int32)
+  lens = jnp.asarray([P, 2], jnp.int32)
+  tokens = jnp.asarray(rng.integers(2, MODEL.vocab_size, (B, G, T)), jnp.int32)
+  lengths = jnp.asarray(rng.integers(1, T + 1, (B, G)), jnp.int32)
+  mask = (jnp.arange(T)[None, None, :] < lengths[..., None]).astype(jnp.float32)
+  return graphdef, params, prompts, lens, tokens, mask
+
+
+def trainer_logprobs(setting):
+  graphdef, params, prompts, lens, tokens, mask = setting
+  rows = step.Batch(prompts, lens, tokens, mask, jnp.zeros_like(mask))
+  fn = jax.jit(functools.partial(step.policy_logprobs, graphdef=graphdef, cfg=cfg_of()))
+  return np.asarray(fn(params, rows=rows)[0])
+
+
+@pytest.mark.parametrize("old_logp", ["recompute", "sampler"])
+def test_pi_old_is_the_trainers_recomputation_or_the_samplers_as_configured(setting, old_logp):
+  """A sampler whose log-probs are not the trainer's (a bf16 inference engine, here a
+  constant -1): "recompute" makes pi_old the trainer's teacher-forced log-probs, "sampler"
+  the sampler's; masked positions are 0 in both."""
+  graphdef, params, prompts, lens, tokens, mask = setting
+  sampler_logp = jnp.full(mask.shape, -1.0) * mask
+  rollout = sampling.Rollout(tokens, mask, sampler_logp, jnp.zeros_like(mask),
+                             jnp.sum(mask, -1).astype(jnp.int32), jnp.ones((B, G), bool),
+                             jnp.zeros((B, G), bool), jnp.asarray(T, jnp.int32))
+  prepare = jax.jit(functools.partial(step.prepare, graphdef=graphdef,
+                                      cfg=cfg_of(old_logp=old_logp)))
+  old = np.asarray(prepare(params, None, rollout, prompts, lens).old_logp_BxGxT)
+  want = trainer_logprobs(setting) * np.asarray(mask) if old_logp == "recompute" else \
+      np.asarray(sampler_logp)
+  np.testing.assert_allclose(old, want, rtol=1e-5, atol=1e-6)
+  assert not np.allclose(trainer_logprobs(setting) * np.asarray(mask), sampler_logp)
+
+
+def test_the_kl_term_is_added_to_the_policy_loss(setting):
+  """loss = pg_loss + kl_coef * kl, with kl >= 0 (k3): the penalty pulls the policy toward
+  the reference, it does not push it away."""
+  graphdef, params, prompts, lens, tokens, mask = setting
+  logp = trainer_logprobs(setting)
+  rows = step.Batch(prompts, lens, tokens, mask, jnp.asarray(logp) * mask,
+                    ref_logp_BxGxT=(jnp.asarray(logp) - 0.5) * mask)
+  adv = jnp.asarray(np.random.default_rng(2).normal(size=(B, G)), jnp.float32)
+  cfg = cfg_of(kl_coef=0.25)
+  loss, m = jax.jit(functools.partial(step.minibatch_loss, graphdef=graphdef, cfg=cfg))(
+      params, mb=step.Minibatch(rows, adv))
+  # Every counted token has log pi_ref - log pi_theta = -0.5: k3 = e^-0.5 + 0.5 - 1.
+  np.testing.assert_allclose(m["kl"], np.exp(-0.5) - 0.5, rtol=1e-5)
+  np.testing.assert_allclose(loss, m["pg_loss"] + 0.25 * m["kl"], rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(m["loss"], loss, rtol=1e-6)
+
+
+def test_a_cold_start_step_raises_the_demonstrations_likelihood(setting):
+  """The SFT loss is the negative mean log-likelihood of the counted demonstration tokens,
+  and a step on it makes them more likely."""
+  graphdef, params, prompts, lens, tokens, mask = setting
+  tokens_BxT, mask_BxT = tokens[:, 0], mask[:, 0]
+  want = -np.sum(trainer_logprobs(setting)[:, 0] * np.asarray(mask_BxT)) / np.sum(mask_BxT)
+  batch = (prompts, lens, tokens_BxT, mask_BxT)
+  sft_loss = jax.jit(lambda p, *b: step.sft_loss(p, graphdef, *b))
+  loss = sft_loss(params, *batch)
+  np.testing.assert_allclose(loss, want, rtol=1e-5)
+  assert loss > 0
+  tx = step.sft_optimizer(C.SFTConfig(steps=10, learning_rate=1e-2))
+  sft = jax.jit(functools.partial(step.sft_step, graphdef=graphdef, tx=tx))
+  p, o = params, tx.init(params)
+  for _ in range(3):  # the schedule warms up from 0: the first step does not move
+    p, o, _ = sft(p, o, batch)
+  assert sft_loss(p, *batch) < loss
