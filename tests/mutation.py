@@ -62,14 +62,14 @@ def M(name, file, original, replacement, tests, what, equivalent=""):
 
 
 S = "tests/test_streams.py::"
-GUARD = "tests/test_guard.py"
+GUARD = "tests/test_guard.py::"
 LOSSES = "tests/test_losses.py::"
 AFTER = "tests/test_losses_after.py::"
 TRUNC = "tests/test_truncation.py::"
 SAMPLING = "tests/test_sampling.py::"
 SHARED = "tests/test_shared_prefix.py::"
 TRAIN = "tests/test_train.py::"
-CONTRACTS = "tests/test_step_contracts.py::"
+CONTRACTS = "tests/test_contracts.py::"
 
 MUTANTS: list[Mutant] = [
     # -- rng ------------------------------------------------------------------------------
@@ -129,7 +129,7 @@ MUTANTS: list[Mutant] = [
     M("sampler_logp_after_filter", "gspo_jax/sampling.py",
       "logp_all = jax.nn.log_softmax(scaled, axis=-1)",
       "logp_all = jax.nn.log_softmax(filter_logits(scaled, cfg), axis=-1)",
-      SAMPLING + "test_entropy_is_that_of_the_tempered_distribution",
+      CONTRACTS + "test_sampler_log_probs_are_of_the_unfiltered_distribution",
       "sampler log-probs of the filtered distribution (not what the trainer recomputes)"),
     M("evaluate_chunk_key", "gspo_jax/evaluate.py",
       "key = jax.random.fold_in(jax.random.key(seed), start)", "key = jax.random.key(seed)",
@@ -172,29 +172,31 @@ MUTANTS: list[Mutant] = [
     M("guard_loss_only", "gspo_jax/step.py",
       'ok = jnp.isfinite(grad_norm) & jnp.isfinite(metrics["loss"])',
       'ok = jnp.isfinite(metrics["loss"])',
-      GUARD, "a finite loss with a non-finite gradient is applied"),
+      GUARD + "test_finite_loss_with_non_finite_gradient_is_skipped",
+      "a finite loss with a non-finite gradient is applied"),
     M("guard_grad_only", "gspo_jax/step.py",
       'ok = jnp.isfinite(grad_norm) & jnp.isfinite(metrics["loss"])',
       "ok = jnp.isfinite(grad_norm)",
-      TRAIN + "test_non_finite_loss_skips_the_update",
-      "a non-finite loss with a finite gradient is applied",
-      equivalent="every loss reaches its value through the ratios it differentiates, so a "
-      "non-finite loss has a non-finite gradient; the loss check is defence in depth"),
+      GUARD + "test_infinite_loss_with_finite_gradient_is_skipped",
+      "a non-finite loss with a finite gradient is applied (k3 against log pi_ref = -inf)"),
     M("guard_keeps_new_opt_state", "gspo_jax/step.py",
       "return (keep(new_params, params), keep(new_opt, opt_state)), metrics",
       "return (keep(new_params, params), new_opt), metrics",
-      GUARD, "a skipped step still moves the optimiser state (NaN moments)"),
+      GUARD + "test_finite_loss_with_non_finite_gradient_is_skipped",
+      "a skipped step still moves the optimiser state (NaN moments)"),
     M("guard_skip_count_mean", "gspo_jax/step.py",
       'summary["skipped_updates"] = jnp.sum(metrics["skipped_updates"])',
       'summary["skipped_updates"] = jnp.mean(metrics["skipped_updates"])',
-      GUARD, "skipped minibatches reported as a fraction, not counted"),
+      GUARD + "test_finite_loss_with_non_finite_gradient_is_skipped",
+      "skipped minibatches reported as a fraction, not counted"),
     M("guard_empty_minibatch", "gspo_jax/step.py",
       "ok = ok & (jnp.sum(mb.rows.mask_BxGxT) > 0)", "ok = ok",
       TRUNC + "test_a_minibatch_of_masked_rows_takes_no_step",
       "a minibatch with no counted token still takes an AdamW step"),
     M("update_step_not_advanced", "gspo_jax/step.py",
       "opt_state=opt_state, step=state.step + 1)", "opt_state=opt_state, step=state.step)",
-      GUARD, "the update does not advance the iteration counter"),
+      GUARD + "test_finite_loss_with_non_finite_gradient_is_skipped",
+      "the update does not advance the iteration counter"),
     M("update_advantages_ignore_valid", "gspo_jax/step.py",
       "group_advantages(rewards_BxG, valid_BxG=valid_BxG)", "group_advantages(rewards_BxG)",
       TRUNC + "test_masked_truncated_rows_train_the_rest_as_if_dropped",
@@ -210,8 +212,9 @@ MUTANTS: list[Mutant] = [
       "truncation=mask keeps the truncated rows"),
     M("prepare_always_recomputes", "gspo_jax/step.py",
       'old = recomputed if cfg.old_logp == "recompute" else old', "old = recomputed",
-      "tests/test_routing_train.py::test_bfloat16_sampler_feeds_its_own_log_probs_as_pi_old",
-      'old_logp="sampler" ignored'),
+      [CONTRACTS + "test_tracked_routing_keeps_the_samplers_pi_old_when_configured",
+       "tests/test_routing_train.py::test_bfloat16_sampler_feeds_its_own_log_probs_as_pi_old"],
+      'old_logp="sampler" ignored when routing is tracked or replayed'),
     M("prepare_never_recomputes", "gspo_jax/step.py",
       'old = recomputed if cfg.old_logp == "recompute" else old', "old = old",
       CONTRACTS + "test_pi_old_is_the_trainers_recomputation_or_the_samplers_as_configured",
@@ -260,7 +263,7 @@ MUTANTS: list[Mutant] = [
     M("seq_mean_counts_empty_rows", "gspo_jax/loss_blocks.py",
       "num_seqs = jnp.maximum(jnp.sum(n_B > 0, dtype=dtype), 1)",
       "num_seqs = jnp.asarray(n_B.shape[0], dtype)",
-      LOSSES + "test_padding_changes_nothing",
+      LOSSES + "test_gspo_hand_values",
       "empty rows counted in the mean over responses (TRL's B, not N)"),
     M("k3_estimator", "gspo_jax/loss_blocks.py",
       "return jnp.exp(d) - d - 1", "return jnp.exp(d) - 1",
@@ -281,7 +284,10 @@ MUTANTS: list[Mutant] = [
     M("gspo_empty_row_adv_kept", "gspo_jax/losses.py",
       "adv_B = jnp.where(n_B > 0, adv, 0)", "adv_B = adv",
       LOSSES + "test_padding_changes_nothing",
-      "junk advantages of empty rows reach the gradient"),
+      "junk advantages of empty rows reach the gradient",
+      equivalent="an empty row's objective is dropped by `aggregate` (value) and its tokens "
+      "by `token_log_ratio`'s where (gradient): NaN, inf or 1e30 there leave GSPO's and "
+      "LUSPO's loss, gradient and metrics unchanged (checked by hand)"),
     M("grpo_ignores_aggregation", "gspo_jax/losses.py",
       "pg_loss = -aggregate(surrogate.objective, mask_BxT, mode=aggregation,",
       'pg_loss = -aggregate(surrogate.objective, mask_BxT, mode="seq-mean-token-mean",',
@@ -323,7 +329,7 @@ MUTANTS: list[Mutant] = [
       "the trainer's lean log-probs ignore the sampling temperature"),
     M("teacher_forcing_off_by_one", "gspo_jax/teacher_forcing.py",
       "src = jnp.concatenate([lens[:, None] - 1,", "src = jnp.concatenate([lens[:, None],",
-      SHARED + "test_unshared_flag_is_the_concatenated_rows",
+      SHARED + "test_shared_prefix_equals_repeated_rows[dense]",
       "unshared rows: token 0 predicted from itself"),
     M("shared_prefix_positions", "gspo_jax/teacher_forcing.py",
       "positions = prompt_lens_B[:, None, None] + jnp.arange(T)[None, None, :]",

@@ -1,6 +1,6 @@
 """The update's guard (`step.apply_step`): a minibatch whose loss is finite but whose
-gradient is not is skipped and counted, and leaves the parameters and the optimiser state
-exactly as they were.
+gradient is not, or whose gradient is finite but whose loss is not, is skipped and
+counted, and leaves the parameters and the optimiser state exactly as they were.
 
 The gradient is poisoned in the backward pass only: a `jax.custom_vjp` identity on the
 policy's log-probs whose cotangent is NaN (or inf). The forward values, hence the loss and
@@ -8,6 +8,7 @@ every metric computed from them, stay those of the clean step, so a guard that l
 the loss alone lets the step through.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -126,3 +127,22 @@ def test_finite_loss_with_non_finite_gradient_is_skipped(setting, program, clean
   for a, b in zip(leaves(state.opt_state), leaves(new.opt_state)):
     np.testing.assert_array_equal(a, b)
   assert int(new.step) == 1  # the iteration itself still counts
+
+
+def test_infinite_loss_with_finite_gradient_is_skipped(setting):
+  """A reference policy that gives a sampled token probability 0 (log pi_ref = -inf, e.g.
+  a bf16 reference underflowing): k3 = e^d - d - 1 with d = log pi_ref - log pi_theta is
+  +inf, but its gradient e^d - 1 = -1 is finite. The loss is not a number to step on."""
+  graphdef, tx, state, batch, rewards = setting
+  cfg = dataclasses.replace(CFG, kl_coef=0.1)
+  ref = batch.old_logp_BxGxT.at[:, :, 0].set(-jnp.inf)  # every row: each minibatch
+  batch = batch.replace(ref_logp_BxGxT=ref)
+  program = jax.jit(functools.partial(step.update, graphdef=graphdef, tx=tx, cfg=cfg))
+  new, m = program(jax.tree.map(jnp.copy, state), batch, rewards)
+  m = jax.device_get(m)
+  assert m["loss"] == np.inf and np.isfinite(m["grad_norm"]) and m["grad_norm"] > 0
+  assert m["skipped_updates"] == M
+  for a, b in zip(leaves(state.params), leaves(new.params)):
+    np.testing.assert_array_equal(a, b)
+  for a, b in zip(leaves(state.opt_state), leaves(new.opt_state)):
+    np.testing.assert_array_equal(a, b)

@@ -1,8 +1,9 @@
-"""Contracts of the train step that the rest of the suite let slip (tests/mutation.py found a
-one-line bug in each that every other test passed): which log-probs become pi_old, the sign
-of the KL term, the direction of the cold start's loss.
+"""Contracts the rest of the suite let slip: tests/mutation.py found a one-line bug in each
+that every other test passed. Which log-probs become pi_old (dense and MoE with tracked
+routing), the sign of the KL term, the direction of the cold start's loss, and the
+distribution the sampler's log-probs describe.
 
-Tiny model, pure step functions under jit, no run directory.
+Tiny models, pure functions under jit, no run directory.
 """
 
 import functools
@@ -16,7 +17,8 @@ from flax import nnx
 from gspo_jax import config as C
 from gspo_jax import sampling, step
 from gspo_jax.models import transformer
-from gspo_jax.models.config import tiny
+from gspo_jax.models.config import tiny, tiny_moe
+from gspo_jax.sampling import SamplerConfig, sample_groups
 
 MODEL = tiny(vocab_size=24, hidden=32, mlp_dim=64, num_heads=2, num_kv_heads=1, head_dim=16,
              num_layers=1)
@@ -48,16 +50,21 @@ def trainer_logprobs(setting):
   return np.asarray(fn(params, rows=rows)[0])
 
 
+def sampler_rollout(tokens, mask):
+  """A rollout whose log-probs are not the trainer's (as a bf16 inference engine's are
+  not): a constant -1 on counted tokens."""
+  return sampling.Rollout(tokens, mask, jnp.full(mask.shape, -1.0) * mask, jnp.zeros_like(mask),
+                          jnp.sum(mask, -1).astype(jnp.int32), jnp.ones((B, G), bool),
+                          jnp.zeros((B, G), bool), jnp.asarray(T, jnp.int32))
+
+
 @pytest.mark.parametrize("old_logp", ["recompute", "sampler"])
 def test_pi_old_is_the_trainers_recomputation_or_the_samplers_as_configured(setting, old_logp):
-  """A sampler whose log-probs are not the trainer's (a bf16 inference engine, here a
-  constant -1): "recompute" makes pi_old the trainer's teacher-forced log-probs, "sampler"
-  the sampler's; masked positions are 0 in both."""
+  """"recompute" makes pi_old the trainer's teacher-forced log-probs, "sampler" the
+  sampler's; masked positions are 0 in both."""
   graphdef, params, prompts, lens, tokens, mask = setting
-  sampler_logp = jnp.full(mask.shape, -1.0) * mask
-  rollout = sampling.Rollout(tokens, mask, sampler_logp, jnp.zeros_like(mask),
-                             jnp.sum(mask, -1).astype(jnp.int32), jnp.ones((B, G), bool),
-                             jnp.zeros((B, G), bool), jnp.asarray(T, jnp.int32))
+  rollout = sampler_rollout(tokens, mask)
+  sampler_logp = rollout.logp_BxGxT
   prepare = jax.jit(functools.partial(step.prepare, graphdef=graphdef,
                                       cfg=cfg_of(old_logp=old_logp)))
   old = np.asarray(prepare(params, None, rollout, prompts, lens).old_logp_BxGxT)
@@ -65,6 +72,21 @@ def test_pi_old_is_the_trainers_recomputation_or_the_samplers_as_configured(sett
       np.asarray(sampler_logp)
   np.testing.assert_allclose(old, want, rtol=1e-5, atol=1e-6)
   assert not np.allclose(trainer_logprobs(setting) * np.asarray(mask), sampler_logp)
+
+
+def test_tracked_routing_keeps_the_samplers_pi_old_when_configured(setting):
+  """routing="track" needs the trainer's forward (for pi_old's expert choices) even when
+  pi_old's log-probs are the sampler's: that forward's log-probs must not replace them."""
+  _, _, prompts, lens, tokens, mask = setting
+  moe = tiny_moe(vocab_size=24, hidden=32, mlp_dim=64, moe_mlp_dim=16, num_heads=2,
+                 num_kv_heads=1, head_dim=16, num_layers=1)
+  graphdef, params = nnx.split(transformer.create(moe, seed=5), nnx.Param)
+  rollout = sampler_rollout(tokens, mask)
+  cfg = cfg_of(model=moe, routing="track", old_logp="sampler")
+  batch = jax.jit(functools.partial(step.prepare, graphdef=graphdef, cfg=cfg))(
+      params, None, rollout, prompts, lens)
+  np.testing.assert_array_equal(batch.old_logp_BxGxT, rollout.logp_BxGxT)
+  assert [e.shape for e in batch.old_experts] == [(B * G, P + T, moe.experts_per_token)]
 
 
 def test_the_kl_term_is_added_to_the_policy_loss(setting):
@@ -101,3 +123,22 @@ def test_a_cold_start_step_raises_the_demonstrations_likelihood(setting):
   for _ in range(3):  # the schedule warms up from 0: the first step does not move
     p, o, _ = sft(p, o, batch)
   assert sft_loss(p, *batch) < loss
+
+
+def test_sampler_log_probs_are_of_the_unfiltered_distribution():
+  """The sampler draws from the filtered distribution (here the first 8 of 64 ids) but
+  records the log-probs and entropy of the tempered, unfiltered one, which is what teacher
+  forcing recomputes. All logits 0: every counted token has log-prob -log 64 and entropy
+  log 64 (the filtered distribution would give -log 8 and log 8)."""
+  model = transformer.create(tiny(), seed=0)
+  graphdef, state = nnx.split(model)
+  model = nnx.merge(graphdef, jax.tree.map(jnp.zeros_like, state))
+  V = model.cfg.vocab_size
+  cfg = SamplerConfig(group_size=2, max_new_tokens=4, eos_id=1, max_prompt_len=4,
+                      temperature=0.5, vocab_limit=8)
+  out = sample_groups(model, jnp.full((2, 4), 5, jnp.int32), jnp.full((2,), 4, jnp.int32),
+                      jax.random.key(0), cfg)
+  m = np.asarray(out.mask_BxGxT) > 0
+  assert np.asarray(out.tokens_BxGxT)[m].max() < 8
+  np.testing.assert_allclose(np.asarray(out.logp_BxGxT)[m], -np.log(V), rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(out.entropy_BxGxT)[m], np.log(V), rtol=1e-6)
