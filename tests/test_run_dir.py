@@ -109,39 +109,61 @@ def full(files, tmp_path_factory):
   return run_dir
 
 
-def test_sigterm_mid_run_then_resume(files, full, tmp_path):
+@pytest.fixture(scope="module")
+def faulted(files, tmp_path_factory):
+  """Both faults in one run directory, each followed by --resume in a new process (three
+  processes, not four): SIGTERM mid-run, then --resume killed -9 in the middle of step 6's
+  save, then --resume to the end. What each test checks is kept per stage."""
+  run_dir = tmp_path_factory.mktemp("faulted")
+  ckpts = run_dir / "checkpoints"
+  stages = {}
   # --checkpoint-every 0: only step 0 and the save the signal asks for.
-  p = cli(files, tmp_path, "--checkpoint-every", "0", fault="sigterm:2", check=False)
+  p = cli(files, run_dir, "--checkpoint-every", "0", fault="sigterm:2", check=False)
+  stages["sigterm"] = (p, checkpoint.complete_steps(str(ckpts)), records(run_dir))
+  # Resumed from 3 with --checkpoint-every 2: saves at 4, then (killed) at 6.
+  p = cli(files, run_dir, "--checkpoint-every", "2", "--resume", fault="kill_save:6",
+          check=False)
+  stages["killed"] = (p, os.listdir(ckpts), checkpoint.complete_steps(str(ckpts)),
+                      records(run_dir))
+  with open(run_dir / "metrics.jsonl", "a") as f:
+    f.write('{"step": 6, "loss": 0.')  # and a half-written last line (a full disk)
+  before = json.loads((run_dir / "config.json").read_text())
+  # A safe change (the held-out size) is allowed and logged; the old config is kept.
+  p = cli(files, run_dir, "--checkpoint-every", "2", "--resume", "--set", "eval_size=3")
+  stages["resumed"] = (p, before)
+  return run_dir, stages
+
+
+def test_sigterm_mid_run_then_resume(full, faulted):
+  run_dir, stages = faulted
+  p, complete, got = stages["sigterm"]
   assert p.returncode == 128 + signal.SIGTERM, p.stdout + p.stderr
   assert "Traceback" not in p.stderr
   # The signal arrived in iteration 3 (metrics are written one iteration late): saved at 3.
   assert "stopped by SIGTERM at step 3" in p.stdout and "--resume" in p.stdout
-  assert checkpoint.complete_steps(str(tmp_path / "checkpoints")) == [0, 3]
-  assert [r["step"] for r in records(tmp_path)] == [1, 2, 3]
-  cli(files, tmp_path, "--checkpoint-every", "0", "--resume")
-  assert records(tmp_path) == records(full)  # steps 1..6 once each, bit for bit
+  assert complete == [0, 3]
+  assert [r["step"] for r in got] == [1, 2, 3]
+  # Step 4 is the SIGTERM resume's (killed later, at step 6); 5 and 6 follow from its
+  # checkpoint at 4.
+  assert records(run_dir) == records(full)  # steps 1..6 once each, bit for bit
 
 
-def test_kill_9_mid_save_then_resume(files, full, tmp_path):
-  p = cli(files, tmp_path, "--checkpoint-every", "2", fault="kill_save:4", check=False)
-  assert p.returncode == -signal.SIGKILL
-  ckpts = tmp_path / "checkpoints"
-  assert any(n.startswith("4.orbax-checkpoint-tmp") for n in os.listdir(ckpts))  # mid-save
-  assert checkpoint.complete_steps(str(ckpts)) == [0, 2]
-  assert [r["step"] for r in records(tmp_path)] == [1, 2, 3]
-  with open(tmp_path / "metrics.jsonl", "a") as f:
-    f.write('{"step": 4, "loss": 0.')  # and a half-written last line (a full disk)
-  before = json.loads((tmp_path / "config.json").read_text())
-  # A safe change (the held-out size) is allowed and logged; the old config is kept.
-  p = cli(files, tmp_path, "--checkpoint-every", "2", "--resume", "--set", "eval_size=3")
-  assert "resumed from checkpoint step 2" in p.stdout
+def test_kill_9_mid_save_then_resume(full, faulted):
+  run_dir, stages = faulted
+  p, names, complete, got = stages["killed"]
+  assert p.returncode == -signal.SIGKILL, p.stdout + p.stderr
+  assert any(n.startswith("6.orbax-checkpoint-tmp") for n in names)  # mid-save
+  assert complete == [0, 3, 4]
+  assert [r["step"] for r in got] == [1, 2, 3, 4, 5]
+  p, before = stages["resumed"]
+  assert "resumed from checkpoint step 4" in p.stdout
   assert "resume: eval_size changed from 4 to 3" in p.stdout
-  assert "metrics.jsonl cut back to step 2: 2 record(s)" in p.stdout
-  assert json.loads((tmp_path / "config.before_step_2.json").read_text()) == before
-  assert json.loads((tmp_path / "config.json").read_text())["eval_size"] == 3
-  assert records(tmp_path) == records(full)
-  dropped = (tmp_path / "metrics.jsonl.dropped").read_text().splitlines()
-  assert [json.loads(l)["step"] for l in dropped[:1]] == [3] and len(dropped) == 2
+  assert "metrics.jsonl cut back to step 4: 2 record(s)" in p.stdout
+  assert json.loads((run_dir / "config.before_step_4.json").read_text()) == before
+  assert json.loads((run_dir / "config.json").read_text())["eval_size"] == 3
+  assert records(run_dir) == records(full)
+  dropped = (run_dir / "metrics.jsonl.dropped").read_text().splitlines()
+  assert [json.loads(l)["step"] for l in dropped[:1]] == [5] and len(dropped) == 2
 
 
 def test_refused_start_and_resume_change_nothing(files, full, tmp_path, capsys):

@@ -66,10 +66,19 @@ def prompts_of(B):
 
 @functools.cache
 def programs(cfg: C.TrainConfig, graphdef):
+  """Compiled once per config for the whole module (equal configs share them)."""
   tx = step.make_optimizer(cfg.optim)
   prepare = jax.jit(functools.partial(step.prepare, graphdef=graphdef, cfg=cfg))
   update = jax.jit(functools.partial(step.update, graphdef=graphdef, tx=tx, cfg=cfg))
   return tx, prepare, update
+
+
+@functools.cache
+def minibatch_grad(cfg: C.TrainConfig, graphdef):
+  """jax.grad of `step.minibatch_loss` (params, Minibatch) -> (grads, metrics), jitted:
+  run eagerly, every op of the model's backward pass would compile on its own."""
+  grad = jax.grad(step.minibatch_loss, has_aux=True)
+  return jax.jit(lambda params, mb: grad(params, graphdef, mb, cfg))
 
 
 def train_once(cfg, policy, rollout, rewards_BxG):
@@ -136,8 +145,8 @@ def test_masked_truncated_rows_train_the_rest_as_if_dropped(policy, loss, aggreg
   for a, b in zip(leaves(params), leaves(dparams)):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
   graphdef, params0 = policy
-  grad = lambda c, b, r, valid: jax.grad(step.minibatch_loss, has_aux=True)(
-      params0, graphdef, step.Minibatch(b, group_advantages(r, valid_BxG=valid)), c)[0]
+  grad = lambda c, b, r, valid: minibatch_grad(c, graphdef)(
+      params0, step.Minibatch(b, group_advantages(r, valid_BxG=valid)))[0]
   g = leaves(grad(cfg, batch, jnp.asarray(REWARDS), jnp.asarray(keep)))
   dg = leaves(grad(dcfg, dbatch, jnp.asarray(drop(REWARDS, keep)), None))
   scale = max(np.abs(x).max() for x in g)
@@ -158,7 +167,7 @@ def test_masked_rows_contribute_exactly_zero_gradient(policy):
   rows = batch.replace(tokens_BxGxT=pick(batch.tokens_BxGxT), mask_BxGxT=pick(batch.mask_BxGxT),
                        old_logp_BxGxT=pick(batch.old_logp_BxGxT))
   mb = step.Minibatch(rows, jnp.ones((2, 1)))
-  grads, metrics = jax.grad(step.minibatch_loss, has_aux=True)(params, graphdef, mb, cfg)
+  grads, metrics = minibatch_grad(cfg, graphdef)(params, mb)
   assert all(np.all(g == 0) for g in leaves(grads))
   assert float(metrics["num_seqs"]) == 0
   # Changing everything about the truncated rows (tokens, rewards) changes nothing.
@@ -174,11 +183,12 @@ def test_masked_rows_contribute_exactly_zero_gradient(policy):
 
 
 def test_a_minibatch_of_masked_rows_takes_no_step(policy):
-  cfg = cfg_of(truncation="mask", num_minibatches=2)
+  # One minibatch, every row truncated (the config of the tests above: no compile of its own).
+  cfg = cfg_of(truncation="mask")
   everything = np.ones_like(TRUNCATED)
   _, params, m = train_once(cfg, policy, hand_rollout(np.full_like(LENGTHS, T), everything),
                             REWARDS)
-  assert m["skipped_updates"] == 2
+  assert m["skipped_updates"] == 1
   for a, b in zip(leaves(params), leaves(policy[1])):
     np.testing.assert_array_equal(a, b)
 
@@ -257,9 +267,10 @@ def test_overlong_shapes_the_rewards_in_the_update(policy):
   # T = 4, L_cache = 2: lengths 1, 2 -> 0; 3 -> -0.5; 4 -> -1 (EOS at the last slot too).
   penalty = np.select([LENGTHS <= 2, LENGTHS == 3], [0.0, -0.5], -1.0).astype(np.float32)
   rollout = hand_rollout(LENGTHS, TRUNCATED)
-  _, shaped, m = train_once(cfg_of(truncation="overlong", overlong_cache=2), policy, rollout,
-                            REWARDS)
-  _, by_hand, _ = train_once(cfg_of(), policy, rollout, REWARDS + penalty)
+  # Two minibatches: `by_hand` is then the "count" update the tests above compiled.
+  _, shaped, m = train_once(cfg_of(truncation="overlong", overlong_cache=2, num_minibatches=2),
+                            policy, rollout, REWARDS)
+  _, by_hand, _ = train_once(cfg_of(num_minibatches=2), policy, rollout, REWARDS + penalty)
   assert m["overlong_penalty"] == pytest.approx(penalty.mean())
   for a, b in zip(leaves(shaped), leaves(by_hand)):
     np.testing.assert_array_equal(a, b)
