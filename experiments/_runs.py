@@ -202,19 +202,20 @@ def standard_plots(runs, out: str, colours: dict[str, str]) -> list[str]:
 
 
 def main(argv, *, doc: str, name: str, variants, config, summarise, plot, seeds=(0,),
-         flag: str = "--variants", add_args=None) -> dict:
+         flag: str = "--variants", add_args=None, default_variants=None) -> dict:
   """The command line every training experiment shares: run each (seed, variant) not yet
   finished, then summarise and plot whatever is finished under
   experiments/results/<name>[_long][_quick] (or --out). `config(variant, seed, args)` builds
   the TrainConfig (`base_config(args.task, args.quick)` is the starting point);
-  `add_args(parser)` adds the experiment's own flags."""
+  `add_args(parser)` adds the experiment's own flags; `default_variants` (all of `variants`
+  if None) run when the flag is not given."""
   import argparse
   parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
   parser.add_argument("--quick", action="store_true", help="tiny sizes, 6 iterations")
   parser.add_argument("--task", default="addition", choices=list(TASK_CONFIGS),
                       help="addition: configs/addition_tiny.py; long: configs/long_chain.py")
-  parser.add_argument(flag, dest="variants", nargs="+", default=list(variants),
-                      choices=list(variants))
+  parser.add_argument(flag, dest="variants", nargs="+",
+                      default=list(default_variants or variants), choices=list(variants))
   parser.add_argument("--seeds", nargs="+", type=int, default=list(seeds))
   parser.add_argument("--iterations", type=int, default=None, help="override the config's")
   parser.add_argument("--plot-only", action="store_true", help="only summarise finished runs")

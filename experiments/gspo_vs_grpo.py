@@ -10,6 +10,8 @@ The cold start is deterministic per seed, so GSPO and GRPO start from the same p
     python experiments/gspo_vs_grpo.py --losses grpo --seeds 0    # one part (run parts in parallel),
     python experiments/gspo_vs_grpo.py --plot-only                # then summarise what is there
     python experiments/gspo_vs_grpo.py --task long --seeds 0 1 2  # configs/long_chain.py
+    python experiments/gspo_vs_grpo.py --task long --losses sapo cispo gmpo luspo --seeds 0 1
+                                          # the objectives after GSPO beside the same runs
 
 Writes under --out: runs/<loss>_seed<k>/ (metrics.jsonl ...), summary.json, and plots
 reward.png, heldout.png, reward_vs_time.png, reward_vs_flops.png, heldout_vs_flops.png,
@@ -31,7 +33,8 @@ sys.path.insert(0, ROOT)
 from experiments import _runs  # noqa: E402
 from gspo_jax.config import TrainConfig  # noqa: E402
 
-LOSSES = ("gspo", "grpo")
+LOSSES = ("gspo", "grpo")  # the default comparison
+AFTER_GSPO = ("sapo", "sapo_seq", "cispo", "gmpo", "luspo")  # docs/losses.md, on request
 
 
 def config(loss: str, seed: int, quick: bool, iterations: int | None,
@@ -66,7 +69,9 @@ def summarise(runs: dict[str, list[dict]]) -> dict:
 
 
 def plot(runs: dict[str, list[dict]], out: str) -> list[str]:
-  colours = {"gspo": "tab:blue", "grpo": "tab:orange"}
+  colours = {"gspo": "tab:blue", "grpo": "tab:orange", "sapo": "tab:green",
+             "sapo_seq": "tab:olive", "cispo": "tab:red", "gmpo": "tab:purple",
+             "luspo": "tab:brown"}
   reward = ("reward_mean", "training reward (mean of 20 iterations)")
   paths = _runs.standard_plots(runs, out, colours) + [
       _runs.plot_curves(runs, out, "reward_vs_time.png", *reward, smooth=20, x="time",
@@ -103,7 +108,8 @@ def plot_clip_by_length(runs, out: str, colours) -> str:
 
 
 def main(argv=None):
-  return _runs.main(argv, doc=__doc__, name="gspo_vs_grpo", variants=LOSSES, seeds=(0, 1, 2),
+  return _runs.main(argv, doc=__doc__, name="gspo_vs_grpo", variants=LOSSES + AFTER_GSPO,
+                    default_variants=LOSSES, seeds=(0, 1, 2),
                     flag="--losses", summarise=summarise, plot=plot,
                     config=lambda loss, seed, a: config(loss, seed, a.quick, a.iterations,
                                                         a.task))
