@@ -15,6 +15,7 @@ from gspo_jax import evaluate
 from gspo_jax import train as T
 from gspo_jax.models.config import tiny
 from gspo_jax import config as C
+from tests.test_train import interrupted_copy
 
 
 def write_jsonl(path, records):
@@ -152,16 +153,16 @@ def test_jsonl_and_reward_module_train_end_to_end_and_resume_mid_epoch(tmp_path,
   log = tmp_path / "prompts_full.log"
   monkeypatch.setenv("GSPO_TEST_PROMPT_LOG", str(log))
   T.train(cfg, str(tmp_path / "full"), checkpoint_every=2, progress=False)
-  # N = 12, B = 4: iteration 3 starts epoch 1; the interrupted run stops after iteration 2
-  # (mid-epoch, its checkpoint) and resumes.
+  # N = 12, B = 4: iteration 4 starts epoch 1. The run interrupted after iteration 2
+  # (mid-epoch, its checkpoint) is a copy of the full run's directory cut back there; resumed.
+  part = interrupted_copy(tmp_path / "full", tmp_path / "part", 2)
   part_log = tmp_path / "prompts_part.log"
   monkeypatch.setenv("GSPO_TEST_PROMPT_LOG", str(part_log))
-  T.train(dataclasses.replace(cfg, iterations=2), str(tmp_path / "part"), checkpoint_every=2,
-          progress=False)
-  T.train(cfg, str(tmp_path / "part"), resume=True, checkpoint_every=2, progress=False)
+  T.train(cfg, str(part), resume=True, checkpoint_every=2, progress=False)
   full = train_prompts(log, cfg.data.train_file)
   assert len(full) == 4 and all(len(c) == 4 * 2 for c in full)  # B * G rows per call
-  assert full == train_prompts(part_log, cfg.data.train_file)  # the same prompts, in order
+  # The resumed iterations 3 and 4 draw the same prompts as the uninterrupted run, in order.
+  assert full[2:] == train_prompts(part_log, cfg.data.train_file)
   out = capsys.readouterr().out
   assert "data position at step 2: epoch 0, index 8 of 12" in out
   assert "first prompt as the model sees it: '" in out  # plain text: no chat template
@@ -172,7 +173,8 @@ def test_jsonl_and_reward_module_train_end_to_end_and_resume_mid_epoch(tmp_path,
     # total reward = correct + 0.1 * short, averaged over the same rows
     assert r["reward_mean"] == pytest.approx(r["reward/correct"] + 0.1 * r["reward/short"],
                                              abs=1e-6)
-  rows_part = [json.loads(l) for l in (tmp_path / "part" / "metrics.jsonl").read_text().splitlines()]
+  rows_part = [json.loads(l) for l in (part / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in rows_part] == [1, 2, 3, 4]
   for ra, rb in zip(rows, rows_part):
     assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-5, abs=1e-6)
 

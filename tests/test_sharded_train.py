@@ -148,12 +148,13 @@ def test_indivisible_batch_is_a_clear_error(run_dir):
 
 
 def test_model_too_large_for_one_device_initialises_sharded():
-  # ~0.51 B parameters = 2.0 GB in float32. Compiled (not run) for an fsdp=8 mesh: each
+  # ~0.56 B parameters = 2.3 GB in float32, in two wide layers (the compile time grows with
+  # the number of layers, not with their width). Compiled (not run) for an fsdp=8 mesh: each
   # device's output is one eighth of the model, and its peak (output + the initialiser's
-  # random-bit temporaries, themselves sharded: measured 255 + 385 MB) stays far below one
+  # random-bit temporaries, themselves sharded: measured 282 + 472 MB) stays far below one
   # full copy: no device ever holds the whole parameter set.
-  cfg = config.ModelConfig(vocab_size=32000, hidden=2048, num_layers=8, num_heads=16,
-                           num_kv_heads=8, head_dim=128, mlp_dim=5632)
+  cfg = config.ModelConfig(vocab_size=64000, hidden=2048, num_layers=2, num_heads=16,
+                           num_kv_heads=8, head_dim=128, mlp_dim=22528)
   mesh = sharding.make_mesh(MESHES["fsdp8"])
   _, program = sharding.init_program(Transformer, cfg, mesh)
   total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(

@@ -1,10 +1,13 @@
 """The GSPO training loop on a tiny config: one iteration of each loss, the on-policy
 equivalence of the three losses, resume = uninterrupted, config round trip, bad input."""
 
+import contextlib
 import dataclasses
+import io
 import json
 import os
 import pathlib
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -49,14 +52,35 @@ def random_rewards(r, seed):
   return jnp.asarray(np.random.default_rng(seed).normal(size=r.rewards_BxG.shape), jnp.float32)
 
 
+@pytest.fixture(scope="module")
+def configured(run):
+  """cfg -> run.reconfigure(cfg), built once per config for the module: a rebuilt update
+  program compiles again (its NaN-reward host callback keeps it out of the persistent
+  compilation cache)."""
+  runs = {run.cfg: run}
+
+  def get(cfg):
+    if cfg not in runs:
+      runs[cfg] = run.reconfigure(cfg)
+    return runs[cfg]
+  return get
+
+
+@pytest.fixture(scope="module")
+def rolled(run):
+  """One rollout batch of the module's run: rollouts and pi_old do not depend on the loss
+  settings, so the update tests below share it."""
+  return rollout(run)
+
+
 @pytest.mark.parametrize("loss,eps", [("gspo", (3e-4, 4e-4)), ("gspo_token", (3e-4, 4e-4)),
                                       ("grpo", (0.2, 0.27))])
-def test_one_iteration_of_each_loss(run, loss, eps):
+def test_one_iteration_of_each_loss(configured, rolled, loss, eps):
   cfg = tiny_cfg(loss=loss)
   assert (cfg.loss_kwargs()["eps_low"], cfg.loss_kwargs()["eps_high"]) == eps
-  run = run.reconfigure(cfg)
+  run = configured(cfg)
   before = leaves(run.state.params)
-  r = rollout(run)
+  r = rolled
   state = jax.tree.map(jnp.copy, run.state)  # the update donates its input
   new, m = run.programs.update(state, r.batch, random_rewards(r, 0))
   assert int(new.step) == 1
@@ -64,11 +88,14 @@ def test_one_iteration_of_each_loss(run, loss, eps):
   assert all(np.isfinite(float(v)) for v in {**r.stats, **r.device_stats}.values())
   assert any(np.any(a != b) for a, b in zip(before, leaves(new.params)))
   assert float(m["skipped_updates"]) == 0
+
+
+def test_recomputed_old_logprobs_equal_the_samplers(run, rolled):
   # Old log-probs recomputed by the trainer equal the sampler's (same policy, same tokens).
-  sampler_run = run.reconfigure(dataclasses.replace(cfg, old_logp="sampler"))
+  sampler_run = run.reconfigure(dataclasses.replace(run.cfg, old_logp="sampler"))
   r2 = rollout(sampler_run)
-  np.testing.assert_array_equal(r2.batch.tokens_BxGxT, r.batch.tokens_BxGxT)
-  np.testing.assert_allclose(r2.batch.old_logp_BxGxT, r.batch.old_logp_BxGxT, rtol=1e-5,
+  np.testing.assert_array_equal(r2.batch.tokens_BxGxT, rolled.batch.tokens_BxGxT)
+  np.testing.assert_allclose(r2.batch.old_logp_BxGxT, rolled.batch.old_logp_BxGxT, rtol=1e-5,
                              atol=1e-5)
 
 
@@ -83,7 +110,7 @@ def test_grpo_alone_takes_grpo_clip_range_and_aggregation():
     configlib.apply_overrides(tiny_cfg(), ["aggregation=token-mean"])
 
 
-def test_grpo_alone_trains_with_grpo_clip_range(run, monkeypatch):
+def test_grpo_alone_trains_with_grpo_clip_range(run, rolled, monkeypatch):
   # What the train step hands the loss when only loss=grpo is set.
   from gspo_jax import losses
   seen = {}
@@ -94,19 +121,19 @@ def test_grpo_alone_trains_with_grpo_clip_range(run, monkeypatch):
     return real(*args, **kwargs)
 
   monkeypatch.setitem(losses.LOSSES, "grpo", spy)
+  # A fresh program, traced (what the loss is handed is fixed at trace time; no compile).
   grpo = run.reconfigure(configlib.apply_overrides(tiny_cfg(), ["loss=grpo"]))
-  r = rollout(grpo)
-  grpo.programs.update(jax.tree.map(jnp.copy, grpo.state), r.batch, random_rewards(r, 0))
+  grpo.programs.update.trace(grpo.state, rolled.batch, random_rewards(rolled, 0))
   assert seen == {"eps_low": 0.2, "eps_high": 0.27, "aggregation": "seq-mean-token-mean"}
 
 
-def test_on_policy_single_minibatch_losses_give_the_same_update(run):
+def test_on_policy_single_minibatch_losses_give_the_same_update(configured, rolled):
   # One minibatch, old = current policy: GSPO, GSPO-token and GRPO share loss and gradient.
   results = []
   for loss in ("gspo", "gspo_token", "grpo"):
-    r = run.reconfigure(tiny_cfg(loss=loss, num_minibatches=1))
-    ro = rollout(r)
-    new, m = r.programs.update(jax.tree.map(jnp.copy, r.state), ro.batch, random_rewards(ro, 1))
+    r = configured(tiny_cfg(loss=loss, num_minibatches=1))
+    new, m = r.programs.update(jax.tree.map(jnp.copy, r.state), rolled.batch,
+                               random_rewards(rolled, 1))
     results.append((leaves(new.params), float(m["loss"])))
   for params, loss in results[1:]:
     assert abs(loss - results[0][1]) < 1e-6
@@ -114,8 +141,8 @@ def test_on_policy_single_minibatch_losses_give_the_same_update(run):
       np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_non_finite_loss_skips_the_update(run):
-  r = rollout(run)
+def test_non_finite_loss_skips_the_update(run, rolled):
+  r = rolled
   # The first response token always counts: a NaN pi_old there makes its minibatch's loss NaN.
   bad = r.batch.replace(old_logp_BxGxT=r.batch.old_logp_BxGxT.at[0, 0, 0].set(jnp.nan))
   new, m = run.programs.update(jax.tree.map(jnp.copy, run.state), bad, random_rewards(r, 2))
@@ -124,60 +151,90 @@ def test_non_finite_loss_skips_the_update(run):
   assert all(np.all(np.isfinite(x)) for x in leaves(new.params))
 
 
-def test_resume_equals_uninterrupted(tmp_path, capsys):
-  cfg = tiny_cfg(iterations=4)
-  full = T.train(cfg, str(tmp_path / "full"), checkpoint_every=2, progress=False)
-  # Interrupted after step 2 (its checkpoint), then resumed to 4.
-  part = str(tmp_path / "part")
-  T.train(dataclasses.replace(cfg, iterations=2), part, checkpoint_every=2, progress=False)
-  T.train(cfg, part, resume=True, checkpoint_every=2, progress=False)
-  read = lambda d: [json.loads(l) for l in
-                    pathlib.Path(d, "metrics.jsonl").read_text().splitlines()]
-  a, b = read(str(tmp_path / "full")), read(part)
+def read_metrics(run_dir):
+  return [json.loads(l) for l in pathlib.Path(run_dir, "metrics.jsonl").read_text().splitlines()]
+
+
+def interrupted_copy(src, dst, step):
+  """A copy of run directory `src` as the run left it had it stopped after its checkpoint
+  at `step`: later checkpoints and metrics.jsonl records removed."""
+  shutil.copytree(src, dst)
+  for name in os.listdir(dst / "checkpoints"):
+    if name.isdigit() and int(name) > step:
+      shutil.rmtree(dst / "checkpoints" / name)
+  kept = [r for r in read_metrics(dst) if r["step"] <= step]
+  (dst / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
+  return dst
+
+
+def train_logged(*args, **kw):
+  """T.train(...) and what it printed."""
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    T.train(*args, **kw)
+  return out.getvalue()
+
+
+# The resume tests share one uninterrupted run with a KL term, and one resume of it: a copy
+# of its directory cut back to an earlier checkpoint (two training runs for what were four
+# tests of three runs each).
+RESUMED_CFG = tiny_cfg(iterations=4, kl_coef=0.1)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+  """An uninterrupted 4-iteration run (checkpoints 0, 2, 4) and its summary."""
+  run_dir = tmp_path_factory.mktemp("trained") / "run"
+  return run_dir, T.train(RESUMED_CFG, str(run_dir), checkpoint_every=2, progress=False)
+
+
+@pytest.fixture(scope="module")
+def resumed(trained, tmp_path_factory):
+  """`trained` interrupted after step 2, with a crashed save beside it (step 7: a directory
+  without orbax's metadata; 9: orbax's own unfinished save), resumed to 4; and its log."""
+  part = interrupted_copy(trained[0], tmp_path_factory.mktemp("part") / "run", 2)
+  (part / "checkpoints" / "7" / "state").mkdir(parents=True)
+  (part / "checkpoints" / "9.orbax-checkpoint-tmp-42").mkdir()
+  out = train_logged(RESUMED_CFG, str(part), resume=True, checkpoint_every=2, progress=False)
+  return part, out
+
+
+def test_resume_equals_uninterrupted(trained, resumed, capsys):
+  full, summary = trained
+  a, b = read_metrics(full), read_metrics(resumed[0])
   assert [r["step"] for r in b] == [1, 2, 3, 4]
   for ra, rb in zip(a, b):
     for k in ("reward_mean", "loss", "grad_norm", "clip_frac_token", "ratio_max"):
       assert ra[k] == pytest.approx(rb[k], rel=1e-5, abs=1e-6), (ra["step"], k)
-  assert full["heldout_accuracy_end"] >= 0.0
+  assert summary["heldout_accuracy_end"] >= 0.0
   # The evaluation command reads the run back (config, tokenizer, newest checkpoint).
   from gspo_jax import evaluate
-  evaluate.main(["--run", str(tmp_path / "full"), "--size", "8"])
+  evaluate.main(["--run", str(full), "--size", "8"])
   assert "step 4: held-out accuracy" in capsys.readouterr().out
 
 
-def test_kl_reference_is_the_cold_start_policy_across_resume(tmp_path):
-  cfg = tiny_cfg(iterations=2, kl_coef=0.1, sft=C.SFTConfig(steps=2))
-  T.train(cfg, str(tmp_path / "full"), checkpoint_every=1, progress=False)
-  T.train(dataclasses.replace(cfg, iterations=1), str(tmp_path / "part"), checkpoint_every=1,
-          progress=False)
-  T.train(cfg, str(tmp_path / "part"), resume=True, checkpoint_every=1, progress=False)
-  read = lambda d: [json.loads(l) for l in
-                    (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
-  a, b = read("full"), read("part")
-  assert a[-1]["kl"] > 0
-  assert a[-1]["kl"] == pytest.approx(b[-1]["kl"], rel=1e-5, abs=1e-7)
-  assert a[-1]["loss"] == pytest.approx(b[-1]["loss"], rel=1e-5, abs=1e-7)
+def test_kl_reference_is_the_cold_start_policy_across_resume(trained, resumed):
+  # After the resume at step 2, the KL of steps 3 and 4 is against the cold-start policy
+  # (restored from the run directory), as in the uninterrupted run.
+  a, b = read_metrics(trained[0]), read_metrics(resumed[0])
+  for ra, rb in zip(a[2:], b[2:]):
+    assert ra["kl"] > 0
+    assert ra["kl"] == pytest.approx(rb["kl"], rel=1e-5, abs=1e-7), ra["step"]
+    assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-5, abs=1e-7), ra["step"]
 
 
-def test_half_written_checkpoint_is_ignored(tmp_path):
-  cfg = tiny_cfg(iterations=2, sft=C.SFTConfig(steps=1))
-  T.train(cfg, str(tmp_path), checkpoint_every=1, progress=False)
-  ckpts = tmp_path / "checkpoints"
-  (ckpts / "7").mkdir()  # a step directory without orbax's metadata: a crashed save
-  (ckpts / "7" / "state").mkdir()
-  (ckpts / "9.orbax-checkpoint-tmp-42").mkdir()  # orbax's own unfinished save
-  T.train(dataclasses.replace(cfg, iterations=3), str(tmp_path), resume=True,
-          checkpoint_every=1, progress=False)
-  steps = [json.loads(l)["step"] for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-  assert steps == [1, 2, 3]  # resumed from step 2, the newest complete checkpoint
-  assert (ckpts / "7.incomplete").is_dir()  # set aside, not deleted
+def test_half_written_checkpoint_is_ignored(resumed):
+  part, out = resumed
+  assert "resumed from checkpoint step 2" in out  # the newest complete checkpoint
+  assert [r["step"] for r in read_metrics(part)] == [1, 2, 3, 4]
+  assert (part / "checkpoints" / "7.incomplete").is_dir()  # set aside, not deleted
 
 
-def test_existing_run_without_resume_is_refused(tmp_path):
-  cfg = tiny_cfg(iterations=1, sft=C.SFTConfig(steps=1))
-  T.train(cfg, str(tmp_path), progress=False)
+def test_existing_run_without_resume_is_refused(trained, tmp_path):
+  run_dir = tmp_path / "run"
+  shutil.copytree(trained[0], run_dir)
   with pytest.raises(ValueError, match="--resume"):
-    T.train(cfg, str(tmp_path), progress=False)
+    T.train(RESUMED_CFG, str(run_dir), progress=False)
 
 
 def test_config_round_trip_and_overrides():
