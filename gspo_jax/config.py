@@ -50,9 +50,13 @@ class RolloutConfig:
   # Sample with parameters and activations cast to this dtype ("" = the trainer's): a
   # bfloat16 inference engine next to a float32 trainer (paper section 5.4).
   sampler_dtype: Literal["", "float32", "bfloat16"] = ""
+  # Storage dtype of the sampler's KV cache ("" = its compute dtype): "bfloat16" halves the
+  # cache, attention still computes in float32 (`SamplerConfig.cache_dtype`).
+  kv_cache_dtype: Literal["", "float32", "bfloat16"] = ""
 
   def __post_init__(self):
     _checks.check_choice("config", "rollout.sampler_dtype", self.sampler_dtype, SAMPLER_DTYPES)
+    _checks.check_choice("config", "rollout.kv_cache_dtype", self.kv_cache_dtype, SAMPLER_DTYPES)
     if self.prompts_per_iter < 1 or self.group_size < 2:
       raise ValueError("rollout.prompts_per_iter must be >= 1 and rollout.group_size >= 2 "
                        "(group-normalised advantages need 2 responses per prompt)")
@@ -173,6 +177,10 @@ class TrainConfig:
                          f"(its hyperparameters: {', '.join(losses.LOSS_DEFAULTS[self.loss])})")
     if not self.pretrained:
       check_routing(self)
+    sampling_dtype = self.rollout.sampler_dtype or self.model.dtype
+    if self.rollout.kv_cache_dtype == "bfloat16" and sampling_dtype == "float64":
+      raise ValueError("rollout.kv_cache_dtype='bfloat16' needs a float32 or bfloat16 sampler; "
+                       "this one computes in float64 (model.dtype, rollout.sampler_dtype)")
     if (self.rollout.prompts_per_iter * self.rollout.group_size) % self.num_minibatches:
       raise ValueError(f"num_minibatches ({self.num_minibatches}) must divide "
                        "rollout.prompts_per_iter * rollout.group_size")

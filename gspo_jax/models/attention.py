@@ -78,13 +78,16 @@ def _values(p_BxGxCxRxSxK: Array, v: Array, spec: str, reduce: bool) -> Array:
 
 
 def attend(q_BxGxSxNxH: Array, *, shared: Segment | None = None,
-           own: Segment | None = None, heads_first: bool = False) -> Array:
+           own: Segment | None = None, new: Segment | None = None,
+           heads_first: bool = False) -> Array:
   """softmax(q k^T / sqrt(H) + mask) v over the shared and own key segments.
 
   Args:
     q_BxGxSxNxH: queries, heads in HF order (query head n uses kv head n // R).
     shared: (k_BxKxCxH, v_BxKxCxH, mask) keys common to the G responses of a row.
     own: (k_BxGxKxCxH, v_BxGxKxCxH, mask) keys of each response.
+    new: (k_BxGxKxCxH, v_BxGxKxCxH, mask) more keys of each response, time-first whatever
+      `heads_first` says (a decode step's own token, next to a cache it is not yet in).
     Masks are bool, broadcastable to (B, G, S, K); True = may attend.
     heads_first: keys and values of both segments are laid out (B, C, K, H) and
       (B, G, C, K, H) instead (the KV cache's layout). With one query per response
@@ -101,11 +104,11 @@ def attend(q_BxGxSxNxH: Array, *, shared: Segment | None = None,
   q = q_BxGxSxNxH.reshape(B, G, S, C, N // C, H) * (H ** -0.5)
   neg = jnp.finfo(jnp.float32).min  # finite: a fully masked (padding) query gives no NaN
   scores, values = [], []
-  for seg, spec in ((shared, "b" + kv), (own, "bg" + kv)):
+  for seg, spec in ((shared, "b" + kv), (own, "bg" + kv), (new, "bgkch")):
     if seg is None:
       continue
     k, v, mask = seg
-    reduce = heads_first and S == 1 and spec[1] == "g"
+    reduce = heads_first and S == 1 and spec == "bgckh"
     s = _scores(q, k, spec, reduce)
     m = jnp.broadcast_to(mask, (B, G, S, s.shape[-1]))[:, :, None, None]
     scores.append(jnp.where(m, s, neg))

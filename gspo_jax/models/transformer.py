@@ -58,7 +58,8 @@ class ModelOutput:
 class KVCache:
   """Shared prompt keys (one per row) and per-response keys, per layer (`Layers`).
 
-  Heads-first layout (see `attend`): decode steps read the caches in place.
+  Heads-first layout (see `attend`): decode steps read the caches in place. A sampler
+  starts with few response slots and `grow`s the cache as they fill.
   """
   prefix_k: Layers              # per layer (B, C, P, H)
   prefix_v: Layers
@@ -68,17 +69,29 @@ class KVCache:
   index: Array                   # int32 scalar: the slot the next token is written to
 
   @classmethod
-  def from_prefill(cls, out: ModelOutput, valid_BxP: Array, group_size: int, max_len: int):
+  def from_prefill(cls, out: ModelOutput, valid_BxP: Array, group_size: int, max_len: int,
+                   dtype=None):
+    """The prompts' keys and `max_len` empty response slots, stored in `dtype` (None: the
+    model's); attention reads them in float32 whatever their storage dtype."""
     B, P, C, H = out.k[0].shape
+    dtype = out.k[0].dtype if dtype is None else dtype
     if isinstance(out.k, tuple):
-      heads_first = lambda xs: tuple(jnp.swapaxes(x, 1, 2) for x in xs)
-      empty = lambda xs: tuple(jnp.zeros((B, group_size, C, max_len, H), x.dtype) for x in xs)
+      heads_first = lambda xs: tuple(jnp.swapaxes(x, 1, 2).astype(dtype) for x in xs)
+      empty = lambda xs: tuple(jnp.zeros((B, group_size, C, max_len, H), dtype) for x in xs)
     else:  # stacked layers: (L, B, P, C, H)
-      heads_first = lambda x: jnp.swapaxes(x, 2, 3)
-      empty = lambda x: jnp.zeros((x.shape[0], B, group_size, C, max_len, H), x.dtype)
+      heads_first = lambda x: jnp.swapaxes(x, 2, 3).astype(dtype)
+      empty = lambda x: jnp.zeros((x.shape[0], B, group_size, C, max_len, H), dtype)
     return cls(prefix_k=heads_first(out.k), prefix_v=heads_first(out.v),
                prefix_valid_BxP=valid_BxP.astype(bool), k=empty(out.k), v=empty(out.v),
                index=jnp.zeros((), jnp.int32))
+
+  def grow(self, max_len: int) -> "KVCache":
+    """The same cache with room for `max_len` response slots (new slots zero)."""
+    T = self.k[0].shape[-2]
+    if max_len == T:
+      return self
+    pad = lambda x: jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, max_len - T), (0, 0)])
+    return self.replace(k=jax.tree.map(pad, self.k), v=jax.tree.map(pad, self.v))
 
 
 # cfg.remat -> the jax.checkpoint policy of each layer in the backward pass.
@@ -242,49 +255,54 @@ class Transformer(nnx.Module):
 
   def decode(self, tokens_BxG: Array, positions_BxG: Array, cache: KVCache
              ) -> tuple[Array, KVCache]:
-    """One token per response: write its keys at `cache.index`, attend, return hidden_BxGxD."""
+    """One token per response: write its keys at `cache.index`, attend, return hidden_BxGxD.
+
+    Each step reads the whole response cache it is given (T slots, masked to the written
+    ones): a sampler sizes the cache to the filled prefix (`KVCache.grow`). The cache is
+    updated in place; the two layer layouts need different orders for XLA to see that.
+    """
     B, G = tokens_BxG.shape
-    T = cache.k[0].shape[3]
+    T = cache.k[0].shape[-2]
     pos = positions_BxG.reshape(B * G, 1)
     x = self._embed(tokens_BxG.reshape(B * G, 1))
     prefix_mask = cache.prefix_valid_BxP[:, None, None, :]          # (B, 1, 1, P)
-    own_mask = (jnp.arange(T) <= cache.index)[None, None, None, :]  # slots written so far
+    slots = jnp.arange(T)[None, None, None, :]
 
-    def layer_fn(graphdef, params, x, k_buf, v_buf, prefix_k, prefix_v):
+    def layer_fn(graphdef, params, x, k_buf, v_buf, prefix_k, prefix_v, write_first):
       layer = nnx.merge(graphdef, params)
       q, k, v = layer.attn.qkv(layer.attn_norm(x), pos)
-      # (B*G, 1, C, H) -> slot `index` of the (B, G, C, T, H) cache.
-      put = lambda buf, x1: jax.lax.dynamic_update_slice(
-          buf, x1.reshape(B, G, *x1.shape[2:])[:, :, :, None].astype(buf.dtype),
-          (0, 0, 0, cache.index, 0))
-      k_buf, v_buf = put(k_buf, k), put(v_buf, v)
+      group = lambda a: a.reshape(B, G, *a.shape[1:])               # (B, G, 1, C, H)
+      if write_first:  # slot `index` of the (B, G, C, T, H) cache, then attend to it
+        put = lambda buf, x1: jax.lax.dynamic_update_slice(
+            buf, jnp.swapaxes(group(x1), 2, 3).astype(buf.dtype), (0, 0, 0, cache.index, 0))
+        k_buf, v_buf = put(k_buf, k), put(v_buf, v)
+        own, new = (k_buf, v_buf, slots <= cache.index), None
+      else:  # attend to the slots before `index` and to this token's keys; the caller writes
+        stored = lambda a: group(a).astype(k_buf.dtype)  # rounded as the cache will hold it
+        own, new = (k_buf, v_buf, slots < cache.index), (stored(k), stored(v), True)
       o = attend(q.reshape(B, G, 1, *q.shape[2:]), shared=(prefix_k, prefix_v, prefix_mask),
-                 own=(k_buf, v_buf, own_mask), heads_first=True)
+                 own=own, new=new, heads_first=True)
       x = x + layer.attn.out(o.reshape(B * G, 1, *o.shape[3:])).astype(x.dtype)
       x, _, _ = layer.feed_forward(x, None, None)
-      return x, (k_buf, v_buf)
+      return x, (k_buf, v_buf) if write_first else (group(k), group(v))
 
     if self.cfg.scan_layers:
       graphdef, params = nnx.split(self.layers)
-
-      def body(carry, xs):
-        # The response caches ride in the carry and only the new token is written back (in
-        # place); as scan outputs they would be copied whole at every decode step.
-        x, k_all, v_all, i = carry
-        x, (k_i, v_i) = layer_fn(graphdef, xs[0], x, k_all[i], v_all[i], *xs[1:])
-        write = lambda buf, new: jax.lax.dynamic_update_slice(
-            buf, jax.lax.dynamic_slice_in_dim(new, cache.index, 1, 3)[None],
-            (i, 0, 0, 0, cache.index, 0))
-        return (x, write(k_all, k_i), write(v_all, v_i), i + 1), None
-
-      (x, new_k, new_v, _), _ = jax.lax.scan(
-          body, (x, cache.k, cache.v, jnp.zeros((), jnp.int32)),
-          (params, cache.prefix_k, cache.prefix_v))
+      # Scanned layers read their cache slices unchanged, and the new keys of all layers
+      # are written after the scan: a layer's cache updated inside the scan is copied.
+      x, (k_L, v_L) = jax.lax.scan(
+          lambda x, xs: layer_fn(graphdef, xs[0], x, *xs[1:], write_first=False),
+          x, (params, cache.k, cache.v, cache.prefix_k, cache.prefix_v))
+      put = lambda buf, new: jax.lax.dynamic_update_slice(
+          buf, jnp.swapaxes(new, 3, 4).astype(buf.dtype), (0, 0, 0, 0, cache.index, 0))
+      new_k, new_v = put(cache.k, k_L), put(cache.v, v_L)
     else:
+      # Unrolled layers write first and read the whole updated buffer: reading the old
+      # buffer and then updating it makes XLA copy it.
       new_k, new_v = [], []
       for i, layer in enumerate(self.layers):
         x, (k_i, v_i) = layer_fn(*nnx.split(layer), x, cache.k[i], cache.v[i],
-                                 cache.prefix_k[i], cache.prefix_v[i])
+                                 cache.prefix_k[i], cache.prefix_v[i], write_first=True)
         new_k.append(k_i)
         new_v.append(v_i)
       new_k, new_v = tuple(new_k), tuple(new_v)
