@@ -71,7 +71,8 @@ def test_sampler_logprobs_equal_teacher_forced(which, temperature, model, moe_mo
 
 def loop_copies(hlo: str, B: int, G: int, C: int, H: int, slots) -> list[str]:
   """The copies, inside any loop (every computation but the entry), of arrays shaped like a
-  response KV cache, (..., B, G, C, w, H) for w in `slots`: a cache copied per step."""
+  response KV cache, (..., B, G, C, w, H) or (..., B, G, C, H, w) for w in `slots`: a
+  cache copied per step."""
   copies, in_entry = [], False
   for line in hlo.splitlines():
     if line and not line[0].isspace() and line.rstrip().endswith("{"):
@@ -79,7 +80,8 @@ def loop_copies(hlo: str, B: int, G: int, C: int, H: int, slots) -> list[str]:
     m = re.search(r"= \w+\[([\d,]+)\]\S* copy\(", line)
     if m and not in_entry:
       dims = [int(d) for d in m.group(1).split(",")]
-      if dims[-5:-2] == [B, G, C] and dims[-1] == H and dims[-2] in slots:
+      if dims[-5:-2] == [B, G, C] and any(dims[-2:] == pair for w in slots
+                                          for pair in ([w, H], [H, w])):
         copies.append(line.strip())
   return copies
 

@@ -58,14 +58,14 @@ class ModelOutput:
 class KVCache:
   """Shared prompt keys (one per row) and per-response keys, per layer (`Layers`).
 
-  Heads-first layout (see `attend`): decode steps read the caches in place. A sampler
+  Heads-first layouts (see `attend`): decode steps read the caches in place. A sampler
   starts with few response slots and `grow`s the cache as they fill.
   """
   prefix_k: Layers              # per layer (B, C, P, H)
   prefix_v: Layers
   prefix_valid_BxP: Array        # bool
-  k: Layers                     # per layer (B, G, C, T, H)
-  v: Layers
+  k: Layers                     # per layer (B, G, C, H, T): key slots minor (see `attend`)
+  v: Layers                     # per layer (B, G, C, T, H)
   index: Array                   # int32 scalar: the slot the next token is written to
 
   @classmethod
@@ -77,21 +77,24 @@ class KVCache:
     dtype = out.k[0].dtype if dtype is None else dtype
     if isinstance(out.k, tuple):
       heads_first = lambda xs: tuple(jnp.swapaxes(x, 1, 2).astype(dtype) for x in xs)
-      empty = lambda xs: tuple(jnp.zeros((B, group_size, C, max_len, H), dtype) for x in xs)
+      empty = lambda xs, shape: tuple(jnp.zeros((B, group_size) + shape, dtype) for x in xs)
     else:  # stacked layers: (L, B, P, C, H)
       heads_first = lambda x: jnp.swapaxes(x, 2, 3).astype(dtype)
-      empty = lambda x: jnp.zeros((x.shape[0], B, group_size, C, max_len, H), dtype)
+      empty = lambda x, shape: jnp.zeros((x.shape[0], B, group_size) + shape, dtype)
     return cls(prefix_k=heads_first(out.k), prefix_v=heads_first(out.v),
-               prefix_valid_BxP=valid_BxP.astype(bool), k=empty(out.k), v=empty(out.v),
+               prefix_valid_BxP=valid_BxP.astype(bool), k=empty(out.k, (C, H, max_len)),
+               v=empty(out.v, (C, max_len, H)),
                index=jnp.zeros((), jnp.int32))
 
   def grow(self, max_len: int) -> "KVCache":
     """The same cache with room for `max_len` response slots (new slots zero)."""
-    T = self.k[0].shape[-2]
+    T = self.v[0].shape[-2]
     if max_len == T:
       return self
-    pad = lambda x: jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, max_len - T), (0, 0)])
-    return self.replace(k=jax.tree.map(pad, self.k), v=jax.tree.map(pad, self.v))
+    pad = lambda x, axis: jnp.pad(x, [(0, max_len - T) if a == x.ndim + axis else (0, 0)
+                                      for a in range(x.ndim)])
+    return self.replace(k=jax.tree.map(lambda x: pad(x, -1), self.k),
+                        v=jax.tree.map(lambda x: pad(x, -2), self.v))
 
 
 # cfg.remat -> the jax.checkpoint policy of each layer in the backward pass.
@@ -262,20 +265,24 @@ class Transformer(nnx.Module):
     updated in place; the two layer layouts need different orders for XLA to see that.
     """
     B, G = tokens_BxG.shape
-    T = cache.k[0].shape[-2]
+    T = cache.v[0].shape[-2]
     pos = positions_BxG.reshape(B * G, 1)
     x = self._embed(tokens_BxG.reshape(B * G, 1))
     prefix_mask = cache.prefix_valid_BxP[:, None, None, :]          # (B, 1, 1, P)
     slots = jnp.arange(T)[None, None, None, :]
+    # One token's (..., 1, C, H) keys and values in the cache's layouts, and their slot.
+    key_slot, value_slot = lambda a: jnp.moveaxis(a, -3, -1), lambda a: jnp.swapaxes(a, -3, -2)
+    at = lambda x, slot_axis: tuple(cache.index if a == x.ndim + slot_axis else 0
+                                    for a in range(x.ndim))
+    put = lambda buf, x, slot_axis: jax.lax.dynamic_update_slice(
+        buf, x.astype(buf.dtype), at(buf, slot_axis))
 
     def layer_fn(graphdef, params, x, k_buf, v_buf, prefix_k, prefix_v, write_first):
       layer = nnx.merge(graphdef, params)
       q, k, v = layer.attn.qkv(layer.attn_norm(x), pos)
       group = lambda a: a.reshape(B, G, *a.shape[1:])               # (B, G, 1, C, H)
-      if write_first:  # slot `index` of the (B, G, C, T, H) cache, then attend to it
-        put = lambda buf, x1: jax.lax.dynamic_update_slice(
-            buf, jnp.swapaxes(group(x1), 2, 3).astype(buf.dtype), (0, 0, 0, cache.index, 0))
-        k_buf, v_buf = put(k_buf, k), put(v_buf, v)
+      if write_first:  # slot `index` of the caches, then attend to it
+        k_buf, v_buf = put(k_buf, key_slot(group(k)), -1), put(v_buf, value_slot(group(v)), -2)
         own, new = (k_buf, v_buf, slots <= cache.index), None
       else:  # attend to the slots before `index` and to this token's keys; the caller writes
         stored = lambda a: group(a).astype(k_buf.dtype)  # rounded as the cache will hold it
@@ -293,9 +300,7 @@ class Transformer(nnx.Module):
       x, (k_L, v_L) = jax.lax.scan(
           lambda x, xs: layer_fn(graphdef, xs[0], x, *xs[1:], write_first=False),
           x, (params, cache.k, cache.v, cache.prefix_k, cache.prefix_v))
-      put = lambda buf, new: jax.lax.dynamic_update_slice(
-          buf, jnp.swapaxes(new, 3, 4).astype(buf.dtype), (0, 0, 0, 0, cache.index, 0))
-      new_k, new_v = put(cache.k, k_L), put(cache.v, v_L)
+      new_k, new_v = put(cache.k, key_slot(k_L), -1), put(cache.v, value_slot(v_L), -2)
     else:
       # Unrolled layers write first and read the whole updated buffer: reading the old
       # buffer and then updating it makes XLA copy it.
