@@ -12,7 +12,9 @@ ms per decode step = (seconds - seconds at T = 1) / (steps - 1), the medians of
 --repeats calls taken in turn (variant after variant, T after T) so that the machine's load
 falls on all of them alike. Every variant's tokens and log-probs are compared with the
 phased sampler's; the compiled program's temporary memory (the KV cache lives there) and
-its compile seconds are recorded.
+its compile seconds are recorded. The variants of this checkout also record how far their
+log-probs are from teacher forcing's on their own tokens (`response_logprobs`, float32):
+the bfloat16 cache's tolerance at this shape.
 
 Rows that ended: `--rows` also times the phased sampler at the largest T with fewer
 prompts (B G rows each): what a decode step would cost if finished rows were removed.
@@ -20,7 +22,6 @@ prompts (B G rows each): what a decode step would cost if finished rows were rem
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import importlib
 import io
@@ -104,9 +105,27 @@ def _program(args, pkg, model, variant: str, B: int, T: int):
   return compiled, inputs, time.perf_counter() - t0
 
 
+def _teacher_gap(model, inputs, rollout) -> dict:
+  """max and mean |sampler - teacher-forced| log-prob over the rollout's counted tokens."""
+  from flax import nnx
+
+  from gspo_jax.teacher_forcing import response_logprobs
+  graphdef, _ = model
+  params, prompts, lens, _ = inputs
+  teacher = jax.jit(lambda p: response_logprobs(nnx.merge(graphdef, p), prompts, lens,
+                                                rollout.tokens_BxGxT)[0])
+  mask = np.asarray(rollout.mask_BxGxT) > 0
+  gap = np.abs(np.asarray(teacher(params)) - np.asarray(rollout.logp_BxGxT))[mask]
+  return {"max_abs_logp_diff_teacher": float(gap.max()),
+          "mean_abs_logp_diff_teacher": float(gap.mean())}
+
+
 def bench_decode(args) -> dict:
   import gspo_jax
   variants = [v for v in args.variants if v != "baseline" or args.baseline]
+  if "phased" not in variants:
+    raise SystemExit("benchmark.py decode: --variants needs 'phased', the reference of the "
+                     "token and log-prob comparisons")
   pkgs = {v: gspo_jax for v in variants}
   if "baseline" in variants:
     pkgs["baseline"] = baseline_package(args.baseline)
@@ -138,14 +157,18 @@ def bench_decode(args) -> dict:
         "tokens_equal_phased": bool(np.array_equal(out.tokens_BxGxT, ref.tokens_BxGxT)),
         "max_abs_logp_diff_phased": float(np.max(np.abs(np.asarray(out.logp_BxGxT)
                                                         - np.asarray(ref.logp_BxGxT)))),
-        "all_seconds": times[(v, b, T)]})
+        "all_seconds": times[(v, b, T)],
+        **(_teacher_gap(models[gspo_jax.__name__], cases[(v, b, T)][1], out)
+           if v in ("phased", "bf16_cache") and b == B else {})})
   print(f"{'variant':11} {'rows':>4} {'T':>5} {'steps':>5} {'s':>7} {'ms/step':>8} "
-        f"{'temp MiB':>8} {'compile s':>9} {'same tokens':>11} {'|dlogp|':>8}")
+        f"{'temp MiB':>8} {'compile s':>9} {'same tokens':>11} {'|dlogp|':>8} {'teacher max':>11} "
+        f"{'mean':>8}")
   for r in sorted(rows, key=lambda r: (r["rows"] != B * args.group, r["T"], r["variant"])):
     print(f"{r['variant']:11} {r['rows']:4d} {r['T']:5d} {r['steps']:5d} {r['seconds']:7.3f} "
           f"{r['ms_per_decode_step']:8.2f} {r['temp_bytes'] / 2**20:8.1f} "
           f"{r['compile_seconds']:9.2f} {str(r['tokens_equal_phased']):>11} "
-          f"{r['max_abs_logp_diff_phased']:8.1e}")
+          f"{r['max_abs_logp_diff_phased']:8.1e} {r.get('max_abs_logp_diff_teacher', np.nan):11.1e} "
+          f"{r.get('mean_abs_logp_diff_teacher', np.nan):8.1e}")
   return {"shape": {"B": B, "G": args.group, "P": args.prompt_len, "hidden": args.width,
                     "layers": args.layers, "vocab": args.vocab, "scan_layers": args.scan},
           "baseline_commit": args.baseline, "rows": rows}

@@ -71,6 +71,8 @@ def main(argv=None) -> str:
   p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--out", default=benchmark.RESULTS)
   args = p.parse_args(argv)
+  if "phased" not in args.variants:
+    p.error("--variants needs 'phased', the reference of the comparisons")
   shapes, repeats, variants = ((["tiny"], 1, ["phased"]) if args.tiny
                                else (args.shapes, args.repeats, args.variants))
   t0, load = time.perf_counter(), os.getloadavg()

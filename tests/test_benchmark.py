@@ -60,6 +60,7 @@ def test_device_check_runs_at_tiny_size(tmp_path):
   assert set(rows) == {"phased"}
   assert all(r["T"] == 6 and r["steps"] >= 1 and r["temp_bytes"] > 0 for r in rows.values())
   assert rows["phased"]["tokens_equal_phased"] and rows["phased"]["max_abs_logp_diff_phased"] == 0
+  assert rows["phased"]["max_abs_logp_diff_teacher"] < 1e-4  # float32 cache: teacher forcing's
   (update,) = tiny["update"]
   assert "error" not in update and update["seconds"] > 0 and update["temp_bytes"] > 0
   assert record["machine"]["backend"] == "cpu" and len(record["load_average_before"]) == 3
