@@ -9,6 +9,7 @@
     python experiments/benchmark.py iteration  # one GSPO iteration: the loop, by phase, fused
     python experiments/benchmark.py compile    # compile time vs number of layers
     python experiments/benchmark.py long       # sampler and update at T = 256 / 512 / 1024
+    python experiments/benchmark.py decode     # ms per decode step at T = 64 / 256 / 1024 vs a commit
 
 `all` writes benchmark_all.json (every record at its quick size, see QUICK); a subcommand
 writes benchmark_<name>.json at its full size. Figures are measured in one process; ratios
@@ -35,7 +36,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # the gspo_jax of this checkout, as the other experiments
 
-from experiments import bench_long  # noqa: E402
+from experiments import bench_decode, bench_long  # noqa: E402
 from gspo_jax.logprobs import token_logprobs, token_logprobs_from_hidden  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "experiments", "results")
@@ -716,6 +717,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--prompt-len", type=int, default=32)
   p.add_argument("--new-tokens", type=int, default=16)
   bench_long.add_parser(sub)
+  bench_decode.add_parser(sub)
   return parser
 
 
@@ -723,7 +725,8 @@ REMAT_CHOICES = ("none", "full", "dots")
 LAYER_MODES = ("unrolled", "scan")
 BENCHES = {"peak": bench_peak, "train": bench_train, "logprobs": bench_logprobs,
            "sampler": bench_sampler, "prefix": bench_prefix, "iteration": bench_iteration,
-           "compile": bench_compile, "long": bench_long.bench_long}
+           "compile": bench_compile, "long": bench_long.bench_long,
+           "decode": bench_decode.bench_decode}
 # `all`: each measurement at a size that keeps the whole run to a few minutes on 2 CPU cores.
 QUICK = {
     "peak": ["peak", "--sizes", "512", "1024", "--repeats", "3"],

@@ -59,9 +59,13 @@ class RolloutConfig:
   # prompts_per_iter, and train on prompts_per_iter groups, those whose rewards are not
   # all equal first; 0 = off.
   oversample: int = 0
+  # Storage dtype of the sampler's KV cache ("" = its compute dtype): "bfloat16" halves the
+  # cache, attention still computes in float32 (`SamplerConfig.cache_dtype`).
+  kv_cache_dtype: Literal["", "float32", "bfloat16"] = ""
 
   def __post_init__(self):
     _checks.check_choice("config", "rollout.sampler_dtype", self.sampler_dtype, SAMPLER_DTYPES)
+    _checks.check_choice("config", "rollout.kv_cache_dtype", self.kv_cache_dtype, SAMPLER_DTYPES)
     if isinstance(self.oversample, bool) or not isinstance(self.oversample, int) \
         or self.oversample < 0:
       raise ValueError(f"rollout.oversample must be an int >= 0 (extra prompts sampled per "
@@ -246,6 +250,10 @@ class TrainConfig:
                          f"(its hyperparameters: {', '.join(losses.LOSS_DEFAULTS[self.loss])})")
     if not self.pretrained:
       check_routing(self)
+    sampling_dtype = self.rollout.sampler_dtype or self.model.dtype
+    if self.rollout.kv_cache_dtype == "bfloat16" and sampling_dtype == "float64":
+      raise ValueError("rollout.kv_cache_dtype='bfloat16' needs a float32 or bfloat16 sampler; "
+                       "this one computes in float64 (model.dtype, rollout.sampler_dtype)")
     if (self.rollout.prompts_per_iter * self.rollout.group_size) % self.num_minibatches:
       raise ValueError(f"num_minibatches ({self.num_minibatches}) must divide "
                        "rollout.prompts_per_iter * rollout.group_size")

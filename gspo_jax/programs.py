@@ -95,7 +95,7 @@ def sampler_configs(tok, cfg: TrainConfig) -> tuple[SamplerConfig, SamplerConfig
   rollout = SamplerConfig(group_size=r.group_size, max_new_tokens=r.max_new_tokens,
                           eos_id=tok.eos_id, pad_id=tok.pad_id, max_prompt_len=r.max_prompt_len,
                           temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                          vocab_limit=tok.vocab_size)
+                          vocab_limit=tok.vocab_size, cache_dtype=r.kv_cache_dtype)
   greedy = dataclasses.replace(rollout, group_size=1, greedy=True, temperature=1.0, top_p=1.0,
                                top_k=0)
   if cfg.routing == "rollout_replay":  # R3: the rollout records its experts (not the greedy)

@@ -9,7 +9,9 @@ response token t at position prompt_len + t.
 
 Each prompt is prefilled once and its KV cache is shared by its G responses (attention
 reads the prompt keys once per row instead of G copies). Decoding is a
-`lax.while_loop` that stops early once every response has emitted EOS.
+`lax.while_loop` that stops early once every response has emitted EOS, split into phases
+whose response cache doubles in length (`decode_windows`): a decode step reads the whole
+cache it holds, so its cost follows the filled prefix instead of max_new_tokens.
 
 The returned log-probs are those of the temperature-scaled distribution *before* top-k /
 top-p truncation and vocabulary masking: log softmax(logits / temperature)[token], which is
@@ -43,12 +45,20 @@ from gspo_jax.teacher_forcing import prompt_forward
 Array = jax.Array
 
 
+CACHE_DTYPES = ("", "float32", "bfloat16")
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplerConfig:
   """Static sampler knobs (hashable: passed to jax.jit as a static argument).
 
   top_k = 0 and top_p = 1.0 disable those filters. `vocab_limit` masks ids >= it (model
-  vocabularies are padded above the tokenizer's size).
+  vocabularies are padded above the tokenizer's size). `decode_window`: response cache
+  slots of the first decode phase (see `decode_windows`); >= max_new_tokens = one phase
+  over the whole cache (fewer copies of the step to compile, each step reads all T slots).
+  `cache_dtype`: storage dtype of the KV cache ("" = the model's compute dtype); "bfloat16"
+  halves its memory, attention still computes in float32 (log-probs then differ from
+  teacher forcing by the keys' and values' bfloat16 rounding).
   """
   group_size: int
   max_new_tokens: int
@@ -61,6 +71,8 @@ class SamplerConfig:
   top_p: float = 1.0
   vocab_limit: int | None = None
   record_experts: bool = False      # return the MoE expert choices (Rollout.experts)
+  decode_window: int = 128
+  cache_dtype: str = ""
 
   def __post_init__(self):
     if not (isinstance(self.group_size, int) and self.group_size >= 1):
@@ -76,6 +88,11 @@ class SamplerConfig:
       raise ValueError(f"SamplerConfig.top_p must be in (0, 1]; got {self.top_p}")
     if self.top_k < 0:
       raise ValueError(f"SamplerConfig.top_k must be >= 0 (0 = off); got {self.top_k}")
+    if not (isinstance(self.decode_window, int) and self.decode_window >= 1):
+      raise ValueError(f"SamplerConfig.decode_window must be an int >= 1; got {self.decode_window!r}")
+    if self.cache_dtype not in CACHE_DTYPES:
+      raise ValueError(f"SamplerConfig.cache_dtype must be one of {CACHE_DTYPES}; "
+                       f"got {self.cache_dtype!r}")
     if self.vocab_limit is not None and self.vocab_limit <= max(self.eos_id, self.pad_id):
       raise ValueError(f"SamplerConfig.vocab_limit ({self.vocab_limit}) must exceed eos_id and pad_id")
 
@@ -175,6 +192,8 @@ def sample(graphdef, params, prompts_BxP, prompt_lens_B, key, *, cfg: SamplerCon
   model: Transformer = nnx.merge(graphdef, params)
   B, P = prompts_BxP.shape
   G, T = cfg.group_size, cfg.max_new_tokens
+  windows = decode_windows(T, cfg.decode_window)
+  cache_dtype = _cache_dtype(cfg, model.cfg.dtype)
   out, valid_BxP, last_BxD = prompt_forward(model, prompts_BxP, prompt_lens_B)
   logits_BxGxV = jnp.broadcast_to(model.logits(last_BxD)[:, None], (B, G, model.cfg.vocab_size))
   K = model.cfg.experts_per_token
@@ -185,11 +204,12 @@ def sample(graphdef, params, prompts_BxP, prompt_lens_B, key, *, cfg: SamplerCon
                      tokens_BxGxT=jnp.full((B, G, T), cfg.pad_id, jnp.int32),
                      logp_BxGxT=jnp.zeros((B, G, T), jnp.float32),
                      entropy_BxGxT=jnp.zeros((B, G, T), jnp.float32),
-                     cache=KVCache.from_prefill(out, valid_BxP, G, T), experts_BxGxTxK=experts)
+                     cache=KVCache.from_prefill(out, valid_BxP, G, windows[0], cache_dtype),
+                     experts_BxGxTxK=experts)
   state = _record(state, *pick_token(logits_BxGxV, jax.random.fold_in(key, 0), cfg), cfg)
 
-  def cond(s: _LoopState):
-    return (s.t < T) & ~jnp.all(s.done_BxG)
+  def cond(s: _LoopState, window: int):  # step t writes cache slot t - 1 < window
+    return (s.t < T) & (s.t <= window) & ~jnp.all(s.done_BxG)
 
   def body(s: _LoopState):
     # Token t-1 sits at position prompt_len + t - 1 and is written to cache slot t - 1.
@@ -205,7 +225,9 @@ def sample(graphdef, params, prompts_BxP, prompt_lens_B, key, *, cfg: SamplerCon
     picked = pick_token(model.logits(hidden_BxGxD), jax.random.fold_in(key, s.t), cfg)
     return _record(s.replace(cache=cache), *picked, cfg)
 
-  state = jax.lax.while_loop(cond, body, state)
+  for window in windows:
+    state = state.replace(cache=state.cache.grow(window))
+    state = jax.lax.while_loop(functools.partial(cond, window=window), body, state)
   rollout = _finish(state.tokens_BxGxT, state.logp_BxGxT, state.entropy_BxGxT, state.t, cfg)
   if not cfg.record_experts:
     return rollout
@@ -213,6 +235,29 @@ def sample(graphdef, params, prompts_BxP, prompt_lens_B, key, *, cfg: SamplerCon
   return rollout.replace(experts=tuple(
       jnp.concatenate([jnp.repeat(p, G, axis=0), r.reshape(B * G, T, K)], axis=1)
       for p, r in zip(out.router.indices, state.experts_BxGxTxK)))
+
+
+def _cache_dtype(cfg: SamplerConfig, model_dtype: str):
+  if cfg.cache_dtype == "bfloat16" and jnp.dtype(model_dtype) == jnp.float64:
+    # A float64 run is a precision reference; a rounded cache would defeat it silently.
+    raise ValueError("SamplerConfig.cache_dtype='bfloat16' (rollout.kv_cache_dtype) needs a "
+                     "float32 or bfloat16 model; this one computes in float64 "
+                     "(ModelConfig.dtype): leave cache_dtype empty")
+  return jnp.dtype(cfg.cache_dtype or model_dtype)
+
+
+def decode_windows(max_new_tokens: int, first: int) -> tuple[int, ...]:
+  """Response cache lengths of the decode phases: first, 2 first, 4 first, ..., T.
+
+  Phase w holds a cache of w slots (`KVCache.grow` pads it between phases, once) and
+  runs the steps that write slots < w, so a step reads at most twice the filled prefix
+  (after the first phase). Each phase is one more copy of the decode step in the
+  compiled program: ceil(log2(T / first)) + 1 of them.
+  """
+  windows = [min(first, max_new_tokens)]
+  while windows[-1] < max_new_tokens:
+    windows.append(min(2 * windows[-1], max_new_tokens))
+  return tuple(windows)
 
 
 def _finish(tokens_BxGxT, logp_BxGxT, entropy_BxGxT, steps, cfg: SamplerConfig) -> Rollout:

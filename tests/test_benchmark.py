@@ -48,3 +48,19 @@ def test_benchmark_long_runs(tmp_path, monkeypatch):
     assert r["length_max"] == r["steps"] <= 12
   (update,) = result["update"]
   assert update["T"] == 12 and update["temp_bytes"] > 0 and update["seconds"] > 0
+
+
+def test_device_check_runs_at_tiny_size(tmp_path):
+  # The prepared accelerator check, end to end on this machine's CPU at a toy shape.
+  from experiments import device_check
+  record = json.load(open(device_check.main(["--tiny", "--out", str(tmp_path)])))
+  tiny = record["shapes"]["tiny"]
+  assert "error" not in tiny["sampler"], tiny["sampler"].get("traceback")
+  rows = {r["variant"]: r for r in tiny["sampler"]["rows"]}
+  assert set(rows) == {"phased"}
+  assert all(r["T"] == 6 and r["steps"] >= 1 and r["temp_bytes"] > 0 for r in rows.values())
+  assert rows["phased"]["tokens_equal_phased"] and rows["phased"]["max_abs_logp_diff_phased"] == 0
+  assert rows["phased"]["max_abs_logp_diff_teacher"] < 1e-4  # float32 cache: teacher forcing's
+  (update,) = tiny["update"]
+  assert "error" not in update and update["seconds"] > 0 and update["temp_bytes"] > 0
+  assert record["machine"]["backend"] == "cpu" and len(record["load_average_before"]) == 3

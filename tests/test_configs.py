@@ -11,8 +11,9 @@ import typing
 import numpy as np
 import pytest
 
-from gspo_jax import config, configlib, demo, losses, train
+from gspo_jax import config, configlib, demo, losses, programs, sampling, train
 from gspo_jax.config import TrainConfig
+from gspo_jax.models.config import tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(f for f in os.listdir(os.path.join(ROOT, "configs")) if f.endswith(".py"))
@@ -75,6 +76,20 @@ def test_choices_match_the_registries():
   assert choices("routing") == config.ROUTING_MODES
   rollout = typing.get_type_hints(config.RolloutConfig)
   assert typing.get_args(rollout["sampler_dtype"]) == config.SAMPLER_DTYPES
+  assert typing.get_args(rollout["kv_cache_dtype"]) == sampling.CACHE_DTYPES
+
+
+def test_kv_cache_dtype_reaches_the_sampler_and_bf16_of_float64_is_refused():
+  tok = argparse.Namespace(eos_id=1, pad_id=0, vocab_size=32)
+  cfg = TrainConfig(rollout=config.RolloutConfig(kv_cache_dtype="bfloat16"))
+  assert all(s.cache_dtype == "bfloat16" for s in programs.sampler_configs(tok, cfg))
+  with pytest.raises(ValueError, match="rollout.kv_cache_dtype"):
+    config.RolloutConfig(kv_cache_dtype="float16")
+  f64 = dict(model=tiny(vocab_size=32, dtype="float64", param_dtype="float64"))
+  with pytest.raises(ValueError, match=r"rollout.kv_cache_dtype='bfloat16'.*float64"):
+    TrainConfig(rollout=config.RolloutConfig(kv_cache_dtype="bfloat16"), **f64)
+  TrainConfig(rollout=config.RolloutConfig(kv_cache_dtype="bfloat16", sampler_dtype="bfloat16"),
+              **f64)  # the sampler computes in bfloat16
 
 
 def test_help_lists_every_training_field(capsys):

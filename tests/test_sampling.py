@@ -6,6 +6,8 @@ tests reuse a few configs (greedy with G=2, BASE) where the group size does not 
 """
 
 import dataclasses
+import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -65,6 +67,78 @@ def test_sampler_logprobs_equal_teacher_forced(which, temperature, model, moe_mo
   mask = np.asarray(r.mask_BxGxT)
   assert mask.sum() > 0
   np.testing.assert_allclose(np.asarray(lp) * mask, r.logp_BxGxT, rtol=1e-5, atol=1e-5)
+
+
+def loop_copies(hlo: str, B: int, G: int, C: int, H: int, slots) -> list[str]:
+  """The copies, inside any loop (every computation but the entry), of arrays shaped like a
+  response KV cache, (..., B, G, C, w, H) or (..., B, G, C, H, w) for w in `slots`: a
+  cache copied per step."""
+  copies, in_entry = [], False
+  for line in hlo.splitlines():
+    if line and not line[0].isspace() and line.rstrip().endswith("{"):
+      in_entry = line.startswith("ENTRY")
+    m = re.search(r"= \w+\[([\d,]+)\]\S* copy\(", line)
+    if m and not in_entry:
+      dims = [int(d) for d in m.group(1).split(",")]
+      if dims[-5:-2] == [B, G, C] and any(dims[-2:] == pair for w in slots
+                                          for pair in ([w, H], [H, w])):
+        copies.append(line.strip())
+  return copies
+
+
+def compiled_sampler(model, prompts, key, cfg):
+  """(the sampler's rollout, its compiled HLO text)."""
+  graphdef, params = nnx.split(model)
+  compiled = jax.jit(functools.partial(sampling.sample, graphdef, cfg=cfg)).lower(
+      params, *prompts, key).compile()
+  return compiled(params, *prompts, key), compiled.as_text()
+
+
+@pytest.mark.parametrize("which", ["dense", "moe"])
+def test_decode_phases_draw_what_one_phase_draws_and_never_copy_the_cache(
+    which, model, moe_model, prompts):
+  # BASE decodes in one phase over a cache of all T = 8 slots; caches of 3, then 6, then 8
+  # slots only add or drop masked slots, whose softmax weights are exact zeros.
+  m = model if which == "dense" else moe_model
+  assert sampling.decode_windows(8, BASE.decode_window) == (8,)
+  phased = dataclasses.replace(BASE, decode_window=3)
+  assert sampling.decode_windows(8, 3) == (3, 6, 8)
+  want = sample_groups(m, *prompts, jax.random.key(2), BASE)
+  got, hlo = compiled_sampler(m, prompts, jax.random.key(2), phased)
+  np.testing.assert_array_equal(got.tokens_BxGxT, want.tokens_BxGxT)
+  np.testing.assert_allclose(got.logp_BxGxT, want.logp_BxGxT, rtol=0, atol=1e-6)
+  assert int(got.steps) == int(want.steps)
+  # The cache is written in place: no decode step copies it (XLA inserts such copies when
+  # a loop reads a buffer it also updates in a way it cannot order).
+  B, G = got.tokens_BxGxT.shape[:2]
+  assert loop_copies(hlo, B, G, m.cfg.num_kv_heads, m.cfg.head_dim, (3, 6, 8)) == []
+
+
+def test_bf16_cache_logprobs_within_tolerance_of_teacher_forcing(model, moe_model, prompts):
+  # Keys and values stored in bfloat16 (relative rounding 2^-9), attention in float32: the
+  # sampler's log-probs of its own tokens stay within 0.005 on average of teacher forcing's
+  # (float32 throughout), 0.03 at most for the dense model; MoE routing can flip at a
+  # near-tie, hence 0.1 at most there. Over 0 on purpose: the cache is rounded.
+  cfg = dataclasses.replace(BASE, cache_dtype="bfloat16", decode_window=4)
+  for m, worst in ((model, 0.03), (moe_model, 0.1)):
+    r = sample_groups(m, *prompts, jax.random.key(0), cfg)
+    lp, _ = teacher(m, *prompts, r.tokens_BxGxT, temperature=1.0)
+    mask = np.asarray(r.mask_BxGxT)
+    diff = np.abs(np.asarray(lp) * mask - np.asarray(r.logp_BxGxT))
+    assert 1e-4 < diff.max() < worst and diff[mask > 0].mean() < 0.005
+
+
+def test_bf16_cache_of_a_float64_model_is_refused():
+  previous = jax.config.jax_enable_x64
+  jax.config.update("jax_enable_x64", True)
+  try:
+    m = nnx.eval_shape(lambda: transformer.Transformer(
+        config.tiny(dtype="float64", param_dtype="float64"), rngs=nnx.Rngs(0)))
+    with pytest.raises(ValueError, match=r"cache_dtype='bfloat16'.*float64"):
+      sample_groups(m, jnp.ones((1, 3), jnp.int32), jnp.asarray([3]), jax.random.key(0),
+                    dataclasses.replace(BASE, cache_dtype="bfloat16"))
+  finally:
+    jax.config.update("jax_enable_x64", previous)
 
 
 def test_shared_prefix_equals_repeated_prompts(model, prompts):
@@ -195,6 +269,8 @@ def test_top_k_one_is_greedy_and_vocab_limit_holds(model, prompts):
     (dict(top_p=1.5), "top_p"),
     (dict(top_k=-1), "top_k"),
     (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(decode_window=0), "decode_window"),
+    (dict(cache_dtype="float16"), "cache_dtype"),
 ])
 def test_bad_sampler_config(kw, match):
   with pytest.raises(ValueError, match=match):

@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 from gspo_jax import sampling, sharding
 from gspo_jax.models import config, hf, transformer
 from gspo_jax.models.transformer import Transformer
+from tests.test_sampling import compiled_sampler, loop_copies
 
 TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 9)), jnp.int32)
 POS = jnp.broadcast_to(jnp.arange(9), (2, 9))
@@ -56,13 +57,34 @@ def test_scanned_model_computes_what_the_unrolled_one_does(cfg):
 
 
 def test_scanned_sampler_draws_the_same_tokens():
+  # The unrolled model decodes in one phase over all 6 cache slots, the scanned one in
+  # phases of 2, 4 and 6 slots (`sampling.decode_windows`), its cache written in place.
   unrolled, scanned = pair(config.tiny())
   scfg = sampling.SamplerConfig(group_size=3, max_new_tokens=6, eos_id=63, max_prompt_len=9)
   lens = jnp.array([9, 4])
   want = sampling.sample_groups(unrolled, TOKENS, lens, jax.random.key(1), scfg)
-  got = sampling.sample_groups(scanned, TOKENS, lens, jax.random.key(1), scfg)
+  got, hlo = compiled_sampler(scanned, (TOKENS, lens), jax.random.key(1),
+                              dataclasses.replace(scfg, decode_window=2))
   np.testing.assert_array_equal(got.tokens_BxGxT, want.tokens_BxGxT)
   np.testing.assert_allclose(got.logp_BxGxT, want.logp_BxGxT, rtol=0, atol=1e-6)
+  assert loop_copies(hlo, 2, 3, scanned.cfg.num_kv_heads, scanned.cfg.head_dim, (2, 4, 6)) == []
+
+
+def test_scanned_moe_sampler_records_the_unrolled_expert_choices():
+  # Rollout Routing Replay reads the sampler's choices; the scanned decode returns them as a
+  # scan output per layer, the unrolled one per layer in a list: the same (B*G, P+T, K).
+  unrolled, scanned = pair(config.tiny_moe())
+  scfg = sampling.SamplerConfig(group_size=2, max_new_tokens=5, eos_id=63, max_prompt_len=9,
+                                record_experts=True, decode_window=2)
+  lens = jnp.array([9, 4])
+  sample = jax.jit(sampling.sample, static_argnames=("graphdef", "cfg"))
+  want, got = (sample(*nnx.split(m), TOKENS, lens, jax.random.key(2), cfg=scfg)
+               for m in (unrolled, scanned))
+  np.testing.assert_array_equal(got.tokens_BxGxT, want.tokens_BxGxT)
+  assert len(got.experts) == len(want.experts) == unrolled.cfg.num_layers
+  for g, w in zip(got.experts, want.experts):
+    assert g.shape == (4, 9 + 5, unrolled.cfg.experts_per_token)
+    np.testing.assert_array_equal(g, w)
 
 
 @pytest.mark.parametrize("remat", ["full", "dots"])

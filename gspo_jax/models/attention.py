@@ -7,9 +7,9 @@ Keys come in up to two segments so that G responses can share one prompt's KV ca
 without copying it: a *shared* segment with one entry per prompt (B, K, C, H) and an
 *own* segment with one entry per response (B, G, K, C, H). Scores of both segments are
 softmaxed together (in float32), which is exactly attention over their concatenation.
-The KV cache keeps its keys heads-first instead, (B, C, K, H) and (B, G, C, K, H)
-(`heads_first=True`): the batched matmuls over the cache then read it in place, where the
-time-first layout made XLA copy the whole growing cache twice per layer and decode step.
+The KV cache keeps its keys heads-first instead, (B, C, K, H) and (B, G, C, H, K)
+(`heads_first=True`): reads over the cache then take it in place, where the time-first
+layout made XLA copy the whole growing cache twice per layer and decode step.
 """
 
 from __future__ import annotations
@@ -60,16 +60,17 @@ class Attention(nnx.Module):
 def _scores(q_BxGxSxCxRxH: Array, k: Array, spec: str, reduce: bool) -> Array:
   """float32 q.k over head_dim -> (B, G, C, R, S, K), for keys laid out as `spec`.
 
-  reduce: one query per response (S = 1) against own keys (B, G, C, K, H)."""
+  reduce: one query per response (S = 1) against own keys stored (B, G, C, H, K)."""
   if not reduce:
     return jnp.einsum(f"bgscrh,{spec}->bgcrsk", q_BxGxSxCxRxH, k,
                       preferred_element_type=jnp.float32)
-  q = q_BxGxSxCxRxH[:, :, 0, :, :, None, :].astype(jnp.float32)   # (B, G, C, R, 1, H)
-  return jnp.sum(q * k[:, :, :, None].astype(jnp.float32), -1)[:, :, :, :, None]
+  q = q_BxGxSxCxRxH[:, :, 0, :, :, :, None].astype(jnp.float32)   # (B, G, C, R, H, 1)
+  return jnp.sum(q * k[:, :, :, None].astype(jnp.float32), -2)[:, :, :, :, None]
 
 
 def _values(p_BxGxCxRxSxK: Array, v: Array, spec: str, reduce: bool) -> Array:
-  """Sum of p-weighted values over the keys -> (B, G, S, C, R, H) (`reduce` as in _scores)."""
+  """Sum of p-weighted values over the keys -> (B, G, S, C, R, H) (`reduce` as in _scores,
+  values stored (B, G, C, K, H))."""
   if not reduce:
     return jnp.einsum(f"bgcrsk,{spec}->bgscrh", p_BxGxCxRxSxK, v)
   p = p_BxGxCxRxSxK[:, :, :, :, 0, :, None].astype(jnp.float32)         # (B, G, C, R, K, 1)
@@ -78,38 +79,43 @@ def _values(p_BxGxCxRxSxK: Array, v: Array, spec: str, reduce: bool) -> Array:
 
 
 def attend(q_BxGxSxNxH: Array, *, shared: Segment | None = None,
-           own: Segment | None = None, heads_first: bool = False) -> Array:
-  """softmax(q k^T / sqrt(H) + mask) v over the shared and own key segments.
+           own: Segment | None = None, new: Segment | None = None,
+           heads_first: bool = False) -> Array:
+  """softmax(q k^T / sqrt(H) + mask) v over the shared, own and new key segments.
 
   Args:
     q_BxGxSxNxH: queries, heads in HF order (query head n uses kv head n // R).
     shared: (k_BxKxCxH, v_BxKxCxH, mask) keys common to the G responses of a row.
     own: (k_BxGxKxCxH, v_BxGxKxCxH, mask) keys of each response.
+    new: (k_BxGxKxCxH, v_BxGxKxCxH, mask) more keys of each response, time-first whatever
+      `heads_first` says (a decode step's own token, next to a cache it is not yet in).
     Masks are bool, broadcastable to (B, G, S, K); True = may attend.
-    heads_first: keys and values of both segments are laid out (B, C, K, H) and
-      (B, G, C, K, H) instead (the KV cache's layout). With one query per response
-      (decoding, S = 1) the own segment is then read by multiply-and-reduce instead of a
-      batched matmul: per step that is a matrix-vector product, memory-bound on every
-      backend, and XLA:CPU ran it as a (K x H) @ (H x R) matmul at a fraction of the
-      speed (`benchmark.py sampler` measures decoding).
+    heads_first: the KV cache's layouts instead: shared keys and values (B, C, K, H), own
+      keys (B, G, C, H, K) and own values (B, G, C, K, H). With one query per response
+      (decoding, S = 1) the own segment is read by multiply-and-reduce instead of a batched
+      matmul: per step that is a matrix-vector product, memory-bound on every backend, and
+      XLA:CPU ran it as a (K x H) @ (H x R) matmul at a fraction of the speed. Keys with K
+      minor reduce over H across contiguous key slots (`benchmark.py decode` measures it).
   Returns:
     o_BxGxSxNxH in the query dtype.
   """
   B, G, S, N, H = q_BxGxSxNxH.shape
-  kv = "ckh" if heads_first else "kch"
   C = (shared or own)[0].shape[-3 if heads_first else -2]
   q = q_BxGxSxNxH.reshape(B, G, S, C, N // C, H) * (H ** -0.5)
   neg = jnp.finfo(jnp.float32).min  # finite: a fully masked (padding) query gives no NaN
+  specs = {"shared": ("bckh", "bckh") if heads_first else ("bkch", "bkch"),
+           "own": ("bgchk", "bgckh") if heads_first else ("bgkch", "bgkch"),
+           "new": ("bgkch", "bgkch")}
   scores, values = [], []
-  for seg, spec in ((shared, "b" + kv), (own, "bg" + kv)):
+  for name, seg in (("shared", shared), ("own", own), ("new", new)):
     if seg is None:
       continue
-    k, v, mask = seg
-    reduce = heads_first and S == 1 and spec[1] == "g"
-    s = _scores(q, k, spec, reduce)
+    (k, v, mask), (k_spec, v_spec) = seg, specs[name]
+    reduce = heads_first and S == 1 and name == "own"
+    s = _scores(q, k, k_spec, reduce)
     m = jnp.broadcast_to(mask, (B, G, S, s.shape[-1]))[:, :, None, None]
     scores.append(jnp.where(m, s, neg))
-    values.append((v, spec, reduce))
+    values.append((v, v_spec, reduce))
   p = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1).astype(q.dtype)
   out, start = 0, 0
   for s, (v, spec, reduce) in zip(scores, values):

@@ -58,27 +58,43 @@ class ModelOutput:
 class KVCache:
   """Shared prompt keys (one per row) and per-response keys, per layer (`Layers`).
 
-  Heads-first layout (see `attend`): decode steps read the caches in place.
+  Heads-first layouts (see `attend`): decode steps read the caches in place. A sampler
+  starts with few response slots and `grow`s the cache as they fill.
   """
   prefix_k: Layers              # per layer (B, C, P, H)
   prefix_v: Layers
   prefix_valid_BxP: Array        # bool
-  k: Layers                     # per layer (B, G, C, T, H)
-  v: Layers
+  k: Layers                     # per layer (B, G, C, H, T): key slots minor (see `attend`)
+  v: Layers                     # per layer (B, G, C, T, H)
   index: Array                   # int32 scalar: the slot the next token is written to
 
   @classmethod
-  def from_prefill(cls, out: ModelOutput, valid_BxP: Array, group_size: int, max_len: int):
+  def from_prefill(cls, out: ModelOutput, valid_BxP: Array, group_size: int, max_len: int,
+                   dtype=None):
+    """The prompts' keys and `max_len` empty response slots, stored in `dtype` (None: the
+    model's); attention reads them in float32 whatever their storage dtype."""
     B, P, C, H = out.k[0].shape
+    dtype = out.k[0].dtype if dtype is None else dtype
     if isinstance(out.k, tuple):
-      heads_first = lambda xs: tuple(jnp.swapaxes(x, 1, 2) for x in xs)
-      empty = lambda xs: tuple(jnp.zeros((B, group_size, C, max_len, H), x.dtype) for x in xs)
+      heads_first = lambda xs: tuple(jnp.swapaxes(x, 1, 2).astype(dtype) for x in xs)
+      empty = lambda xs, shape: tuple(jnp.zeros((B, group_size) + shape, dtype) for x in xs)
     else:  # stacked layers: (L, B, P, C, H)
-      heads_first = lambda x: jnp.swapaxes(x, 2, 3)
-      empty = lambda x: jnp.zeros((x.shape[0], B, group_size, C, max_len, H), x.dtype)
+      heads_first = lambda x: jnp.swapaxes(x, 2, 3).astype(dtype)
+      empty = lambda x, shape: jnp.zeros((x.shape[0], B, group_size) + shape, dtype)
     return cls(prefix_k=heads_first(out.k), prefix_v=heads_first(out.v),
-               prefix_valid_BxP=valid_BxP.astype(bool), k=empty(out.k), v=empty(out.v),
+               prefix_valid_BxP=valid_BxP.astype(bool), k=empty(out.k, (C, H, max_len)),
+               v=empty(out.v, (C, max_len, H)),
                index=jnp.zeros((), jnp.int32))
+
+  def grow(self, max_len: int) -> "KVCache":
+    """The same cache with room for `max_len` response slots (new slots zero)."""
+    T = self.v[0].shape[-2]
+    if max_len == T:
+      return self
+    pad = lambda x, axis: jnp.pad(x, [(0, max_len - T) if a == x.ndim + axis else (0, 0)
+                                      for a in range(x.ndim)])
+    return self.replace(k=jax.tree.map(lambda x: pad(x, -1), self.k),
+                        v=jax.tree.map(lambda x: pad(x, -2), self.v))
 
 
 # cfg.remat -> the jax.checkpoint policy of each layer in the backward pass.
@@ -244,50 +260,61 @@ class Transformer(nnx.Module):
              with_experts: bool = False):
     """One token per response: write its keys at `cache.index`, attend; returns
     (hidden_BxGxD, cache), and with `with_experts` also the expert choices of the tokens
-    fed, per MoE layer (B*G, 1, K) int32 (what Rollout Routing Replay records)."""
+    fed, per MoE layer (B*G, 1, K) int32 (what Rollout Routing Replay records).
+
+    Each step reads the whole response cache it is given (T slots, masked to the written
+    ones): a sampler sizes the cache to the filled prefix (`KVCache.grow`). The cache is
+    updated in place; the two layer layouts need different orders for XLA to see that.
+    """
     B, G = tokens_BxG.shape
-    T = cache.k[0].shape[3]
+    T = cache.v[0].shape[-2]
     pos = positions_BxG.reshape(B * G, 1)
     x = self._embed(tokens_BxG.reshape(B * G, 1))
     prefix_mask = cache.prefix_valid_BxP[:, None, None, :]          # (B, 1, 1, P)
-    own_mask = (jnp.arange(T) <= cache.index)[None, None, None, :]  # slots written so far
+    slots = jnp.arange(T)[None, None, None, :]
+    # One token's (..., 1, C, H) keys and values in the cache's layouts, and their slot.
+    key_slot, value_slot = lambda a: jnp.moveaxis(a, -3, -1), lambda a: jnp.swapaxes(a, -3, -2)
+    at = lambda x, slot_axis: tuple(cache.index if a == x.ndim + slot_axis else 0
+                                    for a in range(x.ndim))
+    put = lambda buf, x, slot_axis: jax.lax.dynamic_update_slice(
+        buf, x.astype(buf.dtype), at(buf, slot_axis))
 
-    def layer_fn(graphdef, params, x, k_buf, v_buf, prefix_k, prefix_v):
+    def layer_fn(graphdef, params, x, k_buf, v_buf, prefix_k, prefix_v, write_first):
       layer = nnx.merge(graphdef, params)
       q, k, v = layer.attn.qkv(layer.attn_norm(x), pos)
-      # (B*G, 1, C, H) -> slot `index` of the (B, G, C, T, H) cache.
-      put = lambda buf, x1: jax.lax.dynamic_update_slice(
-          buf, x1.reshape(B, G, *x1.shape[2:])[:, :, :, None].astype(buf.dtype),
-          (0, 0, 0, cache.index, 0))
-      k_buf, v_buf = put(k_buf, k), put(v_buf, v)
+      group = lambda a: a.reshape(B, G, *a.shape[1:])               # (B, G, 1, C, H)
+      if write_first:  # slot `index` of the caches, then attend to it
+        k_buf, v_buf = put(k_buf, key_slot(group(k)), -1), put(v_buf, value_slot(group(v)), -2)
+        own, new = (k_buf, v_buf, slots <= cache.index), None
+      else:  # attend to the slots before `index` and to this token's keys; the caller writes
+        stored = lambda a: group(a).astype(k_buf.dtype)  # rounded as the cache will hold it
+        own, new = (k_buf, v_buf, slots < cache.index), (stored(k), stored(v), True)
       o = attend(q.reshape(B, G, 1, *q.shape[2:]), shared=(prefix_k, prefix_v, prefix_mask),
-                 own=(k_buf, v_buf, own_mask), heads_first=True)
+                 own=own, new=new, heads_first=True)
       x = x + layer.attn.out(o.reshape(B * G, 1, *o.shape[3:])).astype(x.dtype)
       x, idx, _ = layer.feed_forward(x, None, None)
-      return x, (k_buf, v_buf, idx)
+      return x, ((k_buf, v_buf) if write_first else (group(k), group(v))), idx
 
     if self.cfg.scan_layers:
       graphdef, params = nnx.split(self.layers)
 
-      def body(carry, xs):
-        # The response caches ride in the carry and only the new token is written back (in
-        # place); as scan outputs they would be copied whole at every decode step.
-        x, k_all, v_all, i = carry
-        x, (k_i, v_i, idx) = layer_fn(graphdef, xs[0], x, k_all[i], v_all[i], *xs[1:])
-        write = lambda buf, new: jax.lax.dynamic_update_slice(
-            buf, jax.lax.dynamic_slice_in_dim(new, cache.index, 1, 3)[None],
-            (i, 0, 0, 0, cache.index, 0))
-        return (x, write(k_all, k_i), write(v_all, v_i), i + 1), idx if with_experts else None
+      def body(x, xs):
+        x, kv, idx = layer_fn(graphdef, xs[0], x, *xs[1:], write_first=False)
+        return x, (kv, idx if with_experts else None)
 
-      (x, new_k, new_v, _), idx = jax.lax.scan(
-          body, (x, cache.k, cache.v, jnp.zeros((), jnp.int32)),
-          (params, cache.prefix_k, cache.prefix_v))
+      # Scanned layers read their cache slices unchanged, and the new keys of all layers
+      # are written after the scan: a layer's cache updated inside the scan is copied.
+      x, ((k_L, v_L), idx) = jax.lax.scan(
+          body, x, (params, cache.k, cache.v, cache.prefix_k, cache.prefix_v))
+      new_k, new_v = put(cache.k, key_slot(k_L), -1), put(cache.v, value_slot(v_L), -2)
       experts = () if idx is None else tuple(idx)   # scan_layers: every layer is MoE or none
     else:
+      # Unrolled layers write first and read the whole updated buffer: reading the old
+      # buffer and then updating it makes XLA copy it.
       new_k, new_v, experts = [], [], []
       for i, layer in enumerate(self.layers):
-        x, (k_i, v_i, idx) = layer_fn(*nnx.split(layer), x, cache.k[i], cache.v[i],
-                                      cache.prefix_k[i], cache.prefix_v[i])
+        x, (k_i, v_i), idx = layer_fn(*nnx.split(layer), x, cache.k[i], cache.v[i],
+                                      cache.prefix_k[i], cache.prefix_v[i], write_first=True)
         new_k.append(k_i)
         new_v.append(v_i)
         if idx is not None:
