@@ -8,11 +8,16 @@ activations cast; `rollout.sampler_dtype`) and trains in float32 on configs/addi
 
   gspo_recompute / grpo_recompute: pi_old recomputed by the float32 trainer (the default)
   gspo_sampler   / grpo_sampler:   pi_old = the bfloat16 sampler's log-probs (`old_logp=sampler`)
+  gspo_corrected / grpo_corrected: pi_old recomputed, and every token's term weighted by
+                                   min(pi_old / pi_sampler, 2) (truncated importance sampling,
+                                   `rollout_correction.level=token`; docs/losses.md), on request
 
     python experiments/precision_training.py --quick
     python experiments/precision_training.py --seeds 0          # full, 300 iterations each
     python experiments/precision_training.py --plot-only
     python experiments/precision_training.py --task long --seeds 0 1 2   # configs/long_chain.py
+    python experiments/precision_training.py --task long --seeds 0 1 \
+        --variants gspo_recompute gspo_corrected grpo_recompute grpo_corrected
 
 Writes under --out: runs/<variant>_seed<k>/, summary.json, reward.png, heldout.png,
 clip_fraction.png.
@@ -29,25 +34,31 @@ sys.path.insert(0, ROOT)
 
 from experiments import _runs  # noqa: E402
 from experiments.gspo_vs_grpo import config as base_config  # noqa: E402
-from gspo_jax.config import TrainConfig  # noqa: E402
+from gspo_jax.config import RolloutCorrectionConfig, TrainConfig  # noqa: E402
 
 VARIANTS = {f"{loss}_{src}": (loss, src) for loss in ("gspo", "grpo")
-            for src in ("recompute", "sampler")}
-COLOURS = {"gspo_recompute": "tab:blue", "gspo_sampler": "tab:cyan",
-           "grpo_recompute": "tab:orange", "grpo_sampler": "tab:red"}
+            for src in ("recompute", "sampler", "corrected")}
+DEFAULT = tuple(v for v in VARIANTS if not v.endswith("_corrected"))
+COLOURS = {"gspo_recompute": "tab:blue", "gspo_sampler": "tab:cyan", "gspo_corrected": "tab:green",
+           "grpo_recompute": "tab:orange", "grpo_sampler": "tab:red", "grpo_corrected": "tab:brown"}
 
 
 def config(variant: str, seed: int, quick: bool, iterations: int | None,
            task: str = "addition") -> TrainConfig:
   loss, source = VARIANTS[variant]
   cfg = base_config(loss, seed, quick, iterations, task)
-  return dataclasses.replace(cfg, old_logp=source, rollout=dataclasses.replace(
-      cfg.rollout, sampler_dtype="bfloat16"))
+  corrected = source == "corrected"
+  cfg = dataclasses.replace(cfg, old_logp="recompute" if corrected else source,
+                            rollout=dataclasses.replace(cfg.rollout, sampler_dtype="bfloat16"))
+  if corrected:
+    cfg = dataclasses.replace(cfg, rollout_correction=RolloutCorrectionConfig(
+        level="token", mode="truncate", threshold=2.0))
+  return cfg
 
 
 def main(argv=None):
   return _runs.main(
-      argv, doc=__doc__, name="precision_training", variants=VARIANTS,
+      argv, doc=__doc__, name="precision_training", variants=VARIANTS, default_variants=DEFAULT,
       config=lambda v, seed, a: config(v, seed, a.quick, a.iterations, a.task),
       summarise=lambda runs: {v: _runs.summarise(items) for v, items in runs.items()},
       plot=lambda runs, out: _runs.standard_plots(runs, out, COLOURS))

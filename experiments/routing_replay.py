@@ -10,10 +10,18 @@ variants, same tiny MoE, task, data and seeds:
   grpo_replay: GRPO with Routing Replay
   gspo_free:   GSPO, routing free (tracked)
 
+and, on request, under a bfloat16 sampler (`rollout.sampler_dtype`), whose expert choices
+differ from the float32 trainer's:
+
+  grpo_replay_bf16: GRPO replaying pi_old's choices (the trainer's recomputed forward)
+  grpo_r3_bf16:     GRPO replaying the sampler's own choices (Rollout Routing Replay, R3:
+                    `routing=rollout_replay`)
+
     python experiments/routing_replay.py --quick                 # a few minutes on 2 CPU cores
     python experiments/routing_replay.py --seeds 0 1             # full
     python experiments/routing_replay.py --plot-only
     python experiments/routing_replay.py --task long --seeds 0 1 2   # configs/long_chain.py
+    python experiments/routing_replay.py --task long --seeds 0 1 --variants grpo_replay_bf16 grpo_r3_bf16
 
 Writes under --out: runs/<variant>_seed<k>/, summary.json, reward.png, heldout.png,
 routing_changed.png, clip_fraction.png, ratio_range.png.
@@ -33,8 +41,11 @@ from gspo_jax.config import TrainConfig  # noqa: E402
 from gspo_jax.models.config import tiny_moe  # noqa: E402
 
 VARIANTS = {"grpo_free": ("grpo", "track"), "grpo_replay": ("grpo", "replay"),
-            "gspo_free": ("gspo", "track")}
-COLOURS = {"grpo_free": "tab:orange", "grpo_replay": "tab:red", "gspo_free": "tab:blue"}
+            "gspo_free": ("gspo", "track"), "grpo_replay_bf16": ("grpo", "replay"),
+            "grpo_r3_bf16": ("grpo", "rollout_replay")}
+DEFAULT = ("grpo_free", "grpo_replay", "gspo_free")
+COLOURS = {"grpo_free": "tab:orange", "grpo_replay": "tab:red", "gspo_free": "tab:blue",
+           "grpo_replay_bf16": "tab:purple", "grpo_r3_bf16": "tab:green"}
 
 
 def config(variant: str, seed: int, quick: bool, iterations: int | None, lr: float | None,
@@ -54,6 +65,9 @@ def config(variant: str, seed: int, quick: bool, iterations: int | None, lr: flo
       optim=dataclasses.replace(cfg.optim, learning_rate=lr or (
           3e-4 if task == "addition" else cfg.optim.learning_rate)),
       loss=loss, eps_low=None, eps_high=None, routing=routing, seed=seed)
+  if variant.endswith("_bf16"):
+    cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout,
+                                                               sampler_dtype="bfloat16"))
   return dataclasses.replace(cfg, iterations=iterations) if iterations else cfg
 
 
@@ -78,7 +92,8 @@ def plot(runs, out: str) -> list[str]:
 
 def main(argv=None):
   return _runs.main(
-      argv, doc=__doc__, name="routing_replay", variants=VARIANTS, seeds=(0, 1),
+      argv, doc=__doc__, name="routing_replay", variants=VARIANTS, default_variants=DEFAULT,
+      seeds=(0, 1),
       config=lambda v, seed, a: config(v, seed, a.quick, a.iterations, a.lr, a.task),
       summarise=summarise, plot=plot,
       add_args=lambda p: p.add_argument("--lr", type=float, default=None,
