@@ -455,9 +455,21 @@ def bench_update(tx, ours, args) -> dict:
 
 
 def print_report(r: dict) -> None:
-  s, u, lc = r["sampling"], r["update"], r["logits_check"]
+  lc = r["logits_check"]
   print(f"model: {r['params'] / 1e6:.2f}M params; logits max |ours - theirs| = "
         f"{lc['max_abs_diff']:.2e} (max |logit| {lc['max_abs_logit']:.2f})")
+  for s in r["sampling"]:
+    print_sampling(r, s)
+  if "update" in r:
+    print_update(r)
+  met = lambda k: "met" if r["target_met"][k] else "NOT met"
+  print(f"\ntarget >= {TARGET_SPEEDUP}x: sampling {met('sampling')}"
+        + (f", update {met('update')} ({met('update_share_prompts')} with share_prompts)"
+           if "update" in r else "")
+        + f"; load average {r['load_average_before'][0]:.2f} -> {r['load_average_after'][0]:.2f}")
+
+
+def print_sampling(r: dict, s: dict) -> None:
   print(f"\nsampling: B={s['B']} prompts x G={s['G']}, P={s['P']}, T={s['T']} new tokens "
         f"({s['generated_tokens']} tokens), median of {r['args']['sampling_repeats']}, interleaved")
   print(f"{'side':38} {'seconds':>8} {'tokens/s':>10} {'first call s':>13}")
@@ -470,6 +482,10 @@ def print_report(r: dict) -> None:
   print(f"ours / tunix tokens/s: {s['speedup_ours_over_theirs']:.2f}x, paired "
         f"{s['speedup_paired']:.2f}x (without prefix sharing: "
         f"{s['speedup_ours_repeated_over_theirs']:.2f}x, paired {s['speedup_repeated_paired']:.2f}x)")
+
+
+def print_update(r: dict) -> None:
+  u = r["update"]
   c = u["first_step_check"]
   print(f"\nupdate step: {u['rows']} rows x ({u['P']} + {u['T']}) tokens, GSPO, AdamW; first "
         f"step loss {c['loss_ours']:.6f} vs {c['loss_theirs']:.6f}, grad norm "
@@ -488,11 +504,6 @@ def print_report(r: dict) -> None:
         f"paired {u['speedup_shared_paired']:.2f}x (median of {r['args']['update_repeats']}, "
         f"interleaved; shared first step: loss {c['loss_ours_shared']:.6f}, params within "
         f"{c['max_abs_param_diff_shared_after_step']:.1e} of tunix's)")
-  print(f"\ntarget >= {TARGET_SPEEDUP}x: sampling {'met' if r['target_met']['sampling'] else 'NOT met'}, "
-        f"update {'met' if r['target_met']['update'] else 'NOT met'} "
-        f"({'met' if r['target_met']['update_share_prompts'] else 'NOT met'} with "
-        f"share_prompts); load average "
-        f"{r['load_average_before'][0]:.2f} -> {r['load_average_after'][0]:.2f}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -508,7 +519,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--prompts", type=int, default=4, help="B")
   p.add_argument("--prompt-len", type=int, default=64, help="P (a power of 2: tunix pads to one)")
   p.add_argument("--group", type=int, default=8, help="G responses per prompt")
-  p.add_argument("--new-tokens", type=int, default=64, help="T")
+  p.add_argument("--new-tokens", type=int, nargs="+", default=[64],
+                 help="T, one sampling comparison per value (each alternated ours/theirs)")
+  p.add_argument("--sampling-only", action="store_true", help="skip the update comparison")
   p.add_argument("--sampling-repeats", type=int, default=15)
   p.add_argument("--update-repeats", type=int, default=5)
   p.add_argument("--out", default=RESULT, help="JSON record path")
@@ -533,13 +546,17 @@ def main(argv=None):
             "machine": benchmark.machine(), "versions": versions(), "what_runs": WHAT_RUNS,
             "model": dataclasses.asdict(ours.cfg), "params": param_count(ours),
             "logits_check": logits_check(tx, ours, theirs, tokens)}
-  record["sampling"] = bench_sampling(tx, ours, theirs, args)
-  record["update"] = bench_update(tx, ours, args)
-  record["target_met"] = {
-      "sampling": record["sampling"]["speedup_ours_over_theirs"] >= TARGET_SPEEDUP,
-      "update": record["update"]["speedup_ours_over_theirs"] >= TARGET_SPEEDUP,
-      "update_share_prompts": (record["update"]["speedup_ours_shared_over_theirs"]
-                               >= TARGET_SPEEDUP)}
+  record["sampling"] = [bench_sampling(tx, ours, theirs, argparse.Namespace(
+      **{**vars(args), "new_tokens": T})) for T in args.new_tokens]
+  record["target_met"] = {"sampling": all(s["speedup_ours_over_theirs"] >= TARGET_SPEEDUP
+                                          for s in record["sampling"])}
+  if not args.sampling_only:  # the update at the first T
+    record["update"] = bench_update(tx, ours, argparse.Namespace(
+        **{**vars(args), "new_tokens": args.new_tokens[0]}))
+    record["target_met"].update(
+        update=record["update"]["speedup_ours_over_theirs"] >= TARGET_SPEEDUP,
+        update_share_prompts=(record["update"]["speedup_ours_shared_over_theirs"]
+                              >= TARGET_SPEEDUP))
   record["seconds"] = time.perf_counter() - t0
   record["load_average_before"], record["load_average_after"] = load_before, os.getloadavg()
   print_report(record)
