@@ -177,10 +177,11 @@ def _record(state: _LoopState, token_BxG, logp_BxG, entropy_BxG, cfg: SamplerCon
             ) -> _LoopState:
   """Write slot t; responses that already ended get pad, log-prob 0 and entropy 0."""
   token = jnp.where(state.done_BxG, cfg.pad_id, token_BxG)
-  put = lambda buf, x: jax.lax.dynamic_update_slice_in_dim(
-      buf, jnp.where(state.done_BxG, 0, x).astype(buf.dtype)[..., None], state.t, 2)
+  write = lambda buf, x: jax.lax.dynamic_update_slice_in_dim(
+      buf, x.astype(buf.dtype)[..., None], state.t, 2)
+  put = lambda buf, x: write(buf, jnp.where(state.done_BxG, 0, x))
   return state.replace(t=state.t + 1, last_BxG=token, done_BxG=state.done_BxG | (token == cfg.eos_id),
-                       tokens_BxGxT=put(state.tokens_BxGxT, token),
+                       tokens_BxGxT=write(state.tokens_BxGxT, token),
                        logp_BxGxT=put(state.logp_BxGxT, logp_BxG),
                        entropy_BxGxT=put(state.entropy_BxGxT, entropy_BxG))
 
