@@ -21,11 +21,16 @@ stage reads one prefix copy per row, which is what a stage of at most R/2 rows c
 While a stage runs, its N-row cache exists next to the full one (at most 1.5x the cache
 memory).
 
-Identical draws: the sampler's Gumbel noise at step t is drawn for the whole (B, G, V)
-array from fold_in(key, t); a stage draws that same array and takes its rows' noise, so
-a compacted row gets exactly the noise it would have had. (Drawing per row instead would
-cost less, but would change the uncompacted sampler's draws.) Tokens, log-probs, entropies,
-lengths and `steps` equal the uncompacted sampler's for the same key (tests/test_compaction.py).
+Same draws: the sampler's Gumbel noise at step t is drawn for the whole (B, G, V) array
+from fold_in(key, t); a stage draws that same array and takes its rows' noise, so a
+compacted row gets exactly the noise it would have had. (Drawing per row would cost less,
+but would change the uncompacted sampler's draws.) The model's arithmetic is the same per
+row, but not bit for bit: XLA:CPU compiles the N-row decode step (one response per
+"prompt") into kernels whose float32 rounding can differ from the B x G step's by ~1e-6 in
+the logits (the attention's reductions; measured at cache lengths 4 to 128). So the
+log-probs and entropies agree to float32 rounding, and tokens, lengths and `steps` are
+equal unless such a difference flips a Gumbel argmax at a near-tie (tests/test_compaction.py:
+equal for dense and MoE models at spread lengths, every row ending at once, none ending).
 
 Expert recording (R3): a stage records its rows' choices into the full buffers. A row
 left out of a stage has ended, and the uncompacted sampler would record the router's

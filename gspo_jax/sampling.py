@@ -60,8 +60,9 @@ class SamplerConfig:
   halves its memory, attention still computes in float32 (log-probs then differ from
   teacher forcing by the keys' and values' bfloat16 rounding).
   `compact_rows`: L > 0 lets each decode phase continue on the live rows only, in up to L
-  halvings of the B*G rows (`gspo_jax.compaction`); the same tokens and log-probs for the
-  same key, (L + 1) copies of the decode step per phase. 0 = off (2**L <= B*G).
+  halvings of the B*G rows (`gspo_jax.compaction`): the same noise per row, so the same
+  tokens for the same key and log-probs equal to float32 rounding; (L + 1) copies of the
+  decode step per phase. 0 = off (2**L <= B*G).
   """
   group_size: int
   max_new_tokens: int
