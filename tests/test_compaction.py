@@ -85,6 +85,8 @@ def test_compacted_rollout_equals_uncompacted(which, prompts):
     off = sample_groups(model, *prompts, jax.random.key(key), off_cfg)
     on = sample_groups(model, *prompts, jax.random.key(key), on_cfg)
     assert_same_rollout(off, on, experts=which == "moe")
+    # Every slot after a row's end holds pad_id (2 here, so a 0 written there would show).
+    assert np.all(np.asarray(off.tokens_BxGxT)[np.asarray(off.mask_BxGxT) == 0] == CFG.pad_id)
     lengths = np.asarray(off.lengths_BxG)
     ended = np.asarray(off.eos_BxG)
     seen.add("all_first_step" if lengths.max() == 1 else "none_end" if not ended.any()
