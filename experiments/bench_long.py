@@ -10,6 +10,10 @@ Sampler: the in-graph group sampler at each T, twice:
             longest row ends, so it computes B G steps token positions for sum |y| kept:
             `wasted_frac` = 1 - kept / (B G steps) is the share of decode work spent on rows
             that had already ended.
+Compact: the varying-lengths sampler with live-row compaction off and on
+(`SamplerConfig.compact_rows` = --compact-rows), both compiled first, then timed
+alternately (off, on, off, on, ...) in this process: the on/off ratio of the medians, and
+whether the two rollouts agree (same tokens; largest log-prob difference).
 Update: one update step (`step.update`, one minibatch of --rows rows of P + T tokens, lean
 log-probs as always in teacher forcing) at each T and remat mode: seconds and XLA's memory
 analysis of the compiled program (temporaries, arguments, outputs; peak ~ temp + args +
@@ -42,7 +46,10 @@ def add_parser(sub) -> None:
                  help="varying lengths: mean response length ~ this fraction of T")
   p.add_argument("--rows", type=int, default=16, help="rows of the update's minibatch")
   p.add_argument("--remat", nargs="+", default=["none", "full"], choices=("none", "full", "dots"))
-  p.add_argument("--parts", nargs="+", default=["sampler", "update"], choices=("sampler", "update"))
+  p.add_argument("--parts", nargs="+", default=["sampler", "update"],
+                 choices=("sampler", "update", "compact"))
+  p.add_argument("--compact-rows", type=int, default=2,
+                 help="compact: SamplerConfig.compact_rows of the compacted sampler")
   p.add_argument("--repeats", type=int, default=2)
 
 
@@ -97,6 +104,45 @@ def sampler_row(args, T: int, varying: bool) -> dict:
           "ms_per_decode_step": 1e3 * (sec - prefill) / max(steps - 1, 1)}
 
 
+def compact_row(args, T: int) -> dict:
+  """Compaction off vs on at varying lengths, timed alternately (see the module docstring)."""
+  from gspo_jax import sampling
+  from gspo_jax.models import transformer
+  model = transformer.create(_model(args, T))
+  _flat_unembedding(model)
+  B, P, G = args.prompts, args.prompt_len, args.group
+  prompts = jnp.asarray(np.random.default_rng(0).integers(2, args.vocab, (B, P)), jnp.int32)
+  lens = jnp.full((B,), P, jnp.int32)
+  off = sampling.SamplerConfig(group_size=G, max_new_tokens=T, eos_id=1, max_prompt_len=P,
+                               vocab_limit=max(2, round(T * args.stop_frac)))
+  on = dataclasses.replace(off, compact_rows=args.compact_rows)
+  key = jax.random.key(0)
+  runs = {name: (lambda c=c: sampling.sample_groups(model, prompts, lens, key, c))
+          for name, c in (("off", off), ("on", on))}
+  first, rollouts = {}, {}
+  for name, run in runs.items():
+    t0 = time.perf_counter()
+    rollouts[name] = jax.block_until_ready(run())
+    first[name] = time.perf_counter() - t0
+  times = {"off": [], "on": []}
+  for _ in range(args.repeats):
+    for name, run in runs.items():
+      t0 = time.perf_counter()
+      jax.block_until_ready(run())
+      times[name].append(time.perf_counter() - t0)
+  med = {name: float(np.median(t)) for name, t in times.items()}
+  a, b = rollouts["off"], rollouts["on"]
+  lengths = np.asarray(a.lengths_BxG).reshape(-1)
+  return {"T": T, "compact_rows": args.compact_rows, "steps": int(a.steps),
+          "wasted_frac": 1 - int(lengths.sum()) / (B * G * int(a.steps)),
+          "seconds_off": med["off"], "seconds_on": med["on"], "on_over_off": med["on"] / med["off"],
+          "times_off": times["off"], "times_on": times["on"],
+          "first_call_seconds_off": first["off"], "first_call_seconds_on": first["on"],
+          "same_tokens": bool(np.array_equal(a.tokens_BxGxT, b.tokens_BxGxT)),
+          "same_steps": int(a.steps) == int(b.steps),
+          "max_logp_diff": float(np.abs(np.asarray(a.logp_BxGxT) - np.asarray(b.logp_BxGxT)).max())}
+
+
 def update_row(args, T: int, remat: str) -> dict:
   from experiments.benchmark import _update_program, timed, update_flops
   mcfg = dataclasses.replace(_model(args, T), remat=remat)
@@ -125,7 +171,7 @@ def bench_long(args) -> dict:
   out = {"shape": {"B": args.prompts, "G": args.group, "P": args.prompt_len,
                    "hidden": args.width, "layers": args.layers, "vocab": args.vocab,
                    "update_rows": args.rows, "stop_frac": args.stop_frac},
-         "sampler": [], "update": []}
+         "sampler": [], "update": [], "compact": []}
   if "sampler" in args.parts:
     print(f"{'T':>5} {'lengths':8} {'steps':>6} {'kept':>7} {'computed':>9} {'wasted':>7} "
           f"{'mean':>7} {'p90':>6} {'max':>5} {'s':>7} {'kept tok/s':>11} {'ms/step':>8}")
@@ -138,6 +184,16 @@ def bench_long(args) -> dict:
               f"{r['length_mean']:7.1f} {r['length_p90']:6.0f} {r['length_max']:5d} "
               f"{r['seconds']:7.3f} {r['kept_tokens_per_s']:11.0f} "
               f"{r['ms_per_decode_step']:8.2f}", flush=True)
+  if "compact" in args.parts:
+    print(f"{'T':>5} {'L':>2} {'steps':>6} {'wasted':>7} {'off s':>7} {'on s':>7} {'on/off':>7} "
+          f"{'same':>5} {'max dlogp':>10}")
+    for T in args.new_tokens:
+      r = compact_row(args, T)
+      out["compact"].append(r)
+      print(f"{T:5d} {r['compact_rows']:2d} {r['steps']:6d} {r['wasted_frac']:7.1%} "
+            f"{r['seconds_off']:7.3f} {r['seconds_on']:7.3f} {r['on_over_off']:7.3f} "
+            f"{str(r['same_tokens'] and r['same_steps']):>5} {r['max_logp_diff']:10.2e}",
+            flush=True)
   if "update" in args.parts:
     print(f"{'T':>5} {'remat':6} {'step s':>8} {'GFLOP/s':>8} {'temp MiB':>9} "
           f"{'peak MiB':>9} {'compile s':>10}")

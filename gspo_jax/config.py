@@ -62,8 +62,16 @@ class RolloutConfig:
   # Storage dtype of the sampler's KV cache ("" = its compute dtype): "bfloat16" halves the
   # cache, attention still computes in float32 (`SamplerConfig.cache_dtype`).
   kv_cache_dtype: Literal["", "float32", "bfloat16"] = ""
+  # Live-row compaction: as responses end, each decode phase continues on the live rows in
+  # up to this many halvings of the B*G rows (`SamplerConfig.compact_rows`; the rollout
+  # sampler only, not the greedy evaluation). 0 = off.
+  compact_rows: int = 0
 
   def __post_init__(self):
+    if isinstance(self.compact_rows, bool) or not isinstance(self.compact_rows, int) \
+        or self.compact_rows < 0:
+      raise ValueError(f"rollout.compact_rows must be an int >= 0 (halvings of the decode "
+                       f"rows; 0 = off); got {self.compact_rows!r}")
     _checks.check_choice("config", "rollout.sampler_dtype", self.sampler_dtype, SAMPLER_DTYPES)
     _checks.check_choice("config", "rollout.kv_cache_dtype", self.kv_cache_dtype, SAMPLER_DTYPES)
     if isinstance(self.oversample, bool) or not isinstance(self.oversample, int) \

@@ -95,9 +95,10 @@ def sampler_configs(tok, cfg: TrainConfig) -> tuple[SamplerConfig, SamplerConfig
   rollout = SamplerConfig(group_size=r.group_size, max_new_tokens=r.max_new_tokens,
                           eos_id=tok.eos_id, pad_id=tok.pad_id, max_prompt_len=r.max_prompt_len,
                           temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                          vocab_limit=tok.vocab_size, cache_dtype=r.kv_cache_dtype)
+                          vocab_limit=tok.vocab_size, cache_dtype=r.kv_cache_dtype,
+                          compact_rows=r.compact_rows)
   greedy = dataclasses.replace(rollout, group_size=1, greedy=True, temperature=1.0, top_p=1.0,
-                               top_k=0)
+                               top_k=0, compact_rows=0)
   if cfg.routing == "rollout_replay":  # R3: the rollout records its experts (not the greedy)
     rollout = dataclasses.replace(rollout, record_experts=True)
   return rollout, greedy

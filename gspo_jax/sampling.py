@@ -38,7 +38,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from gspo_jax import _checks, lengths, sharding
+from gspo_jax import _checks, compaction, lengths, sharding
 from gspo_jax.models.transformer import KVCache, Transformer
 from gspo_jax.teacher_forcing import prompt_forward
 
@@ -59,6 +59,10 @@ class SamplerConfig:
   `cache_dtype`: storage dtype of the KV cache ("" = the model's compute dtype); "bfloat16"
   halves its memory, attention still computes in float32 (log-probs then differ from
   teacher forcing by the keys' and values' bfloat16 rounding).
+  `compact_rows`: L > 0 lets each decode phase continue on the live rows only, in up to L
+  halvings of the B*G rows (`gspo_jax.compaction`): the same noise per row, so the same
+  tokens for the same key and log-probs equal to float32 rounding; (L + 1) copies of the
+  decode step per phase. 0 = off (2**L <= B*G).
   """
   group_size: int
   max_new_tokens: int
@@ -73,6 +77,7 @@ class SamplerConfig:
   record_experts: bool = False      # return the MoE expert choices (Rollout.experts)
   decode_window: int = 128
   cache_dtype: str = ""
+  compact_rows: int = 0
 
   def __post_init__(self):
     if not (isinstance(self.group_size, int) and self.group_size >= 1):
@@ -90,6 +95,10 @@ class SamplerConfig:
       raise ValueError(f"SamplerConfig.top_k must be >= 0 (0 = off); got {self.top_k}")
     if not (isinstance(self.decode_window, int) and self.decode_window >= 1):
       raise ValueError(f"SamplerConfig.decode_window must be an int >= 1; got {self.decode_window!r}")
+    if isinstance(self.compact_rows, bool) or not (isinstance(self.compact_rows, int)
+                                                   and self.compact_rows >= 0):
+      raise ValueError(f"SamplerConfig.compact_rows must be an int >= 0 (0 = off); "
+                       f"got {self.compact_rows!r}")
     if self.cache_dtype not in CACHE_DTYPES:
       raise ValueError(f"SamplerConfig.cache_dtype must be one of {CACHE_DTYPES}; "
                        f"got {self.cache_dtype!r}")
@@ -160,14 +169,20 @@ def first_argmax(x: Array) -> Array:
 
 def pick_token(logits_BxGxV: Array, key: Array, cfg: SamplerConfig) -> tuple[Array, Array, Array]:
   """(token_BxG, logp_BxG, entropy_BxG) of the tempered, unfiltered distribution."""
+  # = jax.random.categorical(key, filtered): the same Gumbel noise, the same tokens
+  noise = None if cfg.greedy else jax.random.gumbel(key, logits_BxGxV.shape, jnp.float32)
+  return pick_with_noise(logits_BxGxV, noise, cfg)
+
+
+def pick_with_noise(logits_xV: Array, gumbel_xV: Array | None, cfg: SamplerConfig
+                    ) -> tuple[Array, Array, Array]:
+  """`pick_token` given its Gumbel noise (None when greedy), for logits of any leading shape:
+  argmax(filtered tempered logits + noise), its log-prob and the entropy."""
   temp = 1.0 if cfg.greedy else cfg.temperature
-  scaled = logits_BxGxV.astype(jnp.float32) / temp
+  scaled = logits_xV.astype(jnp.float32) / temp
   logp_all = jax.nn.log_softmax(scaled, axis=-1)
   filtered = filter_logits(scaled, cfg)
-  if cfg.greedy:
-    token = first_argmax(filtered)
-  else:  # = jax.random.categorical(key, filtered): the same Gumbel noise, the same tokens
-    token = first_argmax(filtered + jax.random.gumbel(key, filtered.shape, filtered.dtype))
+  token = first_argmax(filtered if gumbel_xV is None else filtered + gumbel_xV)
   entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
   return (token.astype(jnp.int32), jnp.take_along_axis(logp_all, token[..., None], -1)[..., 0],
           entropy)
@@ -177,10 +192,11 @@ def _record(state: _LoopState, token_BxG, logp_BxG, entropy_BxG, cfg: SamplerCon
             ) -> _LoopState:
   """Write slot t; responses that already ended get pad, log-prob 0 and entropy 0."""
   token = jnp.where(state.done_BxG, cfg.pad_id, token_BxG)
-  put = lambda buf, x: jax.lax.dynamic_update_slice_in_dim(
-      buf, jnp.where(state.done_BxG, 0, x).astype(buf.dtype)[..., None], state.t, 2)
+  write = lambda buf, x: jax.lax.dynamic_update_slice_in_dim(
+      buf, x.astype(buf.dtype)[..., None], state.t, 2)
+  put = lambda buf, x: write(buf, jnp.where(state.done_BxG, 0, x))
   return state.replace(t=state.t + 1, last_BxG=token, done_BxG=state.done_BxG | (token == cfg.eos_id),
-                       tokens_BxGxT=put(state.tokens_BxGxT, token),
+                       tokens_BxGxT=write(state.tokens_BxGxT, token),
                        logp_BxGxT=put(state.logp_BxGxT, logp_BxG),
                        entropy_BxGxT=put(state.entropy_BxGxT, entropy_BxG))
 
@@ -207,9 +223,12 @@ def sample(graphdef, params, prompts_BxP, prompt_lens_B, key, *, cfg: SamplerCon
                      cache=KVCache.from_prefill(out, valid_BxP, G, windows[0], cache_dtype),
                      experts_BxGxTxK=experts)
   state = _record(state, *pick_token(logits_BxGxV, jax.random.fold_in(key, 0), cfg), cfg)
+  # compact_rows: the full-size loop hands over once the live rows fit half of them.
+  sizes = compaction.row_sizes(B * G, cfg.compact_rows) if cfg.compact_rows else None
 
   def cond(s: _LoopState, window: int):  # step t writes cache slot t - 1 < window
-    return (s.t < T) & (s.t <= window) & ~jnp.all(s.done_BxG)
+    go = (s.t < T) & (s.t <= window) & ~jnp.all(s.done_BxG)
+    return go if sizes is None else go & (jnp.sum(~s.done_BxG) > sizes[1])
 
   def body(s: _LoopState):
     # Token t-1 sits at position prompt_len + t - 1 and is written to cache slot t - 1.
@@ -228,6 +247,9 @@ def sample(graphdef, params, prompts_BxP, prompt_lens_B, key, *, cfg: SamplerCon
   for window in windows:
     state = state.replace(cache=state.cache.grow(window))
     state = jax.lax.while_loop(functools.partial(cond, window=window), body, state)
+    if sizes is not None:
+      state = compaction.stages(model, state, window, sizes, prompt_lens_B=prompt_lens_B,
+                                key=key, cfg=cfg, pick=pick_with_noise)
   rollout = _finish(state.tokens_BxGxT, state.logp_BxGxT, state.entropy_BxGxT, state.t, cfg)
   if not cfg.record_experts:
     return rollout
