@@ -258,6 +258,7 @@ class TrainConfig:
                          f"(its hyperparameters: {', '.join(losses.LOSS_DEFAULTS[self.loss])})")
     if not self.pretrained:
       check_routing(self)
+      check_positions(self.model, self.rollout)
     sampling_dtype = self.rollout.sampler_dtype or self.model.dtype
     if self.rollout.kv_cache_dtype == "bfloat16" and sampling_dtype == "float64":
       raise ValueError("rollout.kv_cache_dtype='bfloat16' needs a float32 or bfloat16 sampler; "
@@ -305,6 +306,17 @@ class TrainConfig:
   def kl_aggregation(self) -> str:
     """The KL term is reduced like the policy loss."""
     return self.loss_kwargs().get("aggregation", "seq-mean-token-mean")
+
+
+def check_positions(model: ModelConfig, rollout: RolloutConfig) -> None:
+  """Prompt + response positions within the model's (`ModelConfig.max_positions`)."""
+  need = rollout.max_prompt_len + rollout.max_new_tokens
+  if model.max_positions is not None and need > model.max_positions:
+    raise ValueError(f"rollout.max_prompt_len + rollout.max_new_tokens = "
+                     f"{rollout.max_prompt_len} + {rollout.max_new_tokens} = {need} positions, "
+                     f"more than the model's max_positions = {model.max_positions}: lower "
+                     f"rollout.max_new_tokens to at most "
+                     f"{model.max_positions - rollout.max_prompt_len}")
 
 
 def check_routing(cfg: TrainConfig) -> None:

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from gspo_jax import checkpoint, configlib, rng, sharding, text
-from gspo_jax.config import TrainConfig, check_routing
+from gspo_jax.config import TrainConfig, check_positions, check_routing
 from gspo_jax.programs import (Layout, Programs, batch_moe_layers, check_layout, make_layout,
                                make_programs)
 from gspo_jax.step import TrainState, make_optimizer, sft_optimizer
@@ -143,6 +143,7 @@ def setup(cfg: TrainConfig, run_dir: str) -> Run:
     task = with_chat_template(task, tok, cfg)
     check_prompts(task, tok, cfg)  # before loading the weights
     check_fits(task, tok, cfg)
+    check_positions(hf.config_from_hf(hf.read_config(cfg.pretrained)), cfg.rollout)
     model = hf.load(cfg.pretrained, mesh=mesh, param_dtype=cfg.pretrained_dtype or None)
     cfg = dataclasses.replace(cfg, model=model.cfg)
     check_routing(cfg)

@@ -208,6 +208,10 @@ def sample(graphdef, params, prompts_BxP, prompt_lens_B, key, *, cfg: SamplerCon
   model: Transformer = nnx.merge(graphdef, params)
   B, P = prompts_BxP.shape
   G, T = cfg.group_size, cfg.max_new_tokens
+  limit = model.cfg.max_positions
+  if limit is not None and P + T > limit:
+    raise ValueError(f"sample: P + SamplerConfig.max_new_tokens = {P} + {T} positions, more "
+                     f"than the model's ModelConfig.max_positions = {limit}")
   windows = decode_windows(T, cfg.decode_window)
   cache_dtype = _cache_dtype(cfg, model.cfg.dtype)
   out, valid_BxP, last_BxD = prompt_forward(model, prompts_BxP, prompt_lens_B)

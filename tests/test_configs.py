@@ -5,6 +5,7 @@ variant trains end to end."""
 
 import argparse
 import io
+import json
 import os
 import typing
 
@@ -90,6 +91,24 @@ def test_kv_cache_dtype_reaches_the_sampler_and_bf16_of_float64_is_refused():
     TrainConfig(rollout=config.RolloutConfig(kv_cache_dtype="bfloat16"), **f64)
   TrainConfig(rollout=config.RolloutConfig(kv_cache_dtype="bfloat16", sampler_dtype="bfloat16"),
               **f64)  # the sampler computes in bfloat16
+
+
+def test_responses_beyond_the_models_positions_are_refused(tmp_path):
+  rollout = config.RolloutConfig(max_prompt_len=40, max_new_tokens=100)
+  with pytest.raises(ValueError, match=r"rollout.max_prompt_len \+ rollout.max_new_tokens = "
+                                       r"40 \+ 100 = 140 .* max_positions = 128.* at most 88"):
+    TrainConfig(model=tiny(vocab_size=32, max_positions=128), rollout=rollout)
+  TrainConfig(model=tiny(vocab_size=32, max_positions=140), rollout=rollout)  # exactly fits
+  with pytest.raises(ValueError, match="ModelConfig.max_positions"):
+    tiny(max_positions=0)
+  # A pretrained model's limit is its config.json's max_position_embeddings, checked before
+  # its weights load (there are none here).
+  from gspo_jax.models import hf
+  (tmp_path / "config.json").write_text(json.dumps(hf.config_to_hf(tiny(max_positions=64))))
+  assert hf.config_from_hf(hf.read_config(str(tmp_path))).max_positions == 64
+  cfg = TrainConfig(pretrained=str(tmp_path), rollout=rollout)
+  with pytest.raises(ValueError, match="max_positions = 64"):
+    config.check_positions(hf.config_from_hf(hf.read_config(cfg.pretrained)), cfg.rollout)
 
 
 def test_help_lists_every_training_field(capsys):

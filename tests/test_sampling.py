@@ -141,6 +141,15 @@ def test_bf16_cache_of_a_float64_model_is_refused():
     jax.config.update("jax_enable_x64", previous)
 
 
+def test_responses_beyond_the_models_positions_are_refused():
+  m = nnx.eval_shape(lambda: transformer.Transformer(config.tiny(max_positions=8),
+                                                     rngs=nnx.Rngs(0)))
+  with pytest.raises(ValueError, match=r"P \+ SamplerConfig.max_new_tokens = 3 \+ 6 .*"
+                                       r"ModelConfig.max_positions = 8"):
+    sample_groups(m, jnp.ones((1, 3), jnp.int32), jnp.asarray([3]), jax.random.key(0),
+                  dataclasses.replace(BASE, max_new_tokens=6))
+
+
 def test_shared_prefix_equals_repeated_prompts(model, prompts):
   p, lens = prompts
   G = 2  # the greedy config of the padding test: one sampler compile less

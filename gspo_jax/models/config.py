@@ -34,6 +34,9 @@ class ModelConfig:
   experts_per_token: int = 0
   moe_mlp_dim: int = 0
   norm_topk_prob: bool = True
+  # Positions the model was trained for (Hugging Face max_position_embeddings): prompt +
+  # response must fit. None = unchecked (RoPE runs at any position; quality there is not).
+  max_positions: int | None = None
   moe_layers: tuple[int, ...] | None = None  # None: every layer is MoE when num_experts > 0
   moe_dispatch: str = "dense"                 # "dense" reference or "ragged" (jax.lax.ragged_dot)
   dtype: str = "float32"                      # activations
@@ -54,6 +57,10 @@ class ModelConfig:
       raise ValueError(f"ModelConfig.head_dim must be even for rotary embeddings; got {self.head_dim}")
     if self.rope_theta <= 0 or self.rms_eps <= 0:
       raise ValueError("ModelConfig.rope_theta and rms_eps must be > 0")
+    if self.max_positions is not None and not (isinstance(self.max_positions, int)
+                                               and self.max_positions > 0):
+      raise ValueError(f"ModelConfig.max_positions must be a positive int or None; "
+                       f"got {self.max_positions!r}")
     if self.moe_dispatch not in DISPATCHES:
       raise ValueError(f"ModelConfig.moe_dispatch must be one of {DISPATCHES}; got {self.moe_dispatch!r}")
     if self.num_experts:

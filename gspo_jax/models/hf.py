@@ -87,6 +87,7 @@ def config_from_hf(hf: dict, *, param_dtype: str | None = None, dtype: str | Non
       mlp_dim=hf["intermediate_size"], rope_theta=float(theta),
       rms_eps=float(_get(hf, "rms_norm_eps", default=1e-6)), qk_norm=kind.startswith("qwen3"),
       tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+      max_positions=hf.get("max_position_embeddings"),
       param_dtype=param_dtype or stored, dtype=dtype or param_dtype or stored)
   if kind == "qwen3_moe":
     experts = _get(hf, "num_experts", "num_local_experts")
@@ -114,7 +115,7 @@ def config_to_hf(cfg: ModelConfig) -> dict:
         "rms_norm_eps": cfg.rms_eps, "rope_theta": cfg.rope_theta,
         "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "default"},
         "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False,
-        "dtype": cfg.param_dtype, "max_position_embeddings": 40960}
+        "dtype": cfg.param_dtype, "max_position_embeddings": cfg.max_positions or 40960}
   if kind == "llama":
     hf["mlp_bias"] = False
   if cfg.num_experts:
