@@ -1,6 +1,7 @@
-"""Group-normalised advantages (GRPO / GSPO, paper Eq. 6).
+"""Group-normalised advantages (GRPO / GSPO, paper Eq. 6), and their per-turn form for
+multi-turn episodes (`turn_advantages`, per-token credit for GSPO-token, paper Eq. 13).
 
-Legend: B = prompts, G = responses per prompt (the group).
+Legend: B = prompts, G = responses per prompt (the group), K = turns, T = tokens.
 """
 
 from __future__ import annotations
@@ -86,3 +87,53 @@ def _valid_group_advantages(r_BxG: Array, valid_BxG: Array, eps: float, scale_by
   lo = jnp.min(jnp.where(valid_BxG, r_BxG, jnp.inf), 1, keepdims=True)
   no_signal = (hi == lo) | (n_Bx1 < 2)
   return jnp.where(no_signal | ~valid_BxG, zero, centred)
+
+
+def turn_advantages(turn_rewards_BxGxK: Array, turn_BxGxT: Array, *, eps: float = 1e-6,
+                    scale_by_std: bool = True) -> Array:
+  """Per-token advantages of multi-turn episodes from per-turn rewards (GSPO-token credit).
+
+  Each turn's tokens get its group-normalised return: with the return-to-go of turn k
+  G_ik = sum_{j >= k} r_ij and the episode return R_i = G_i0,
+
+    A_it = (G_{i,k(t)} - mean_j R_j) / (std_j R_j + eps)     (std with ddof = 1)
+
+  for token t of turn k(t); the baseline and scale are the group's episode returns, as in
+  `group_advantages`, so a token is credited with the reward still to come from its turn
+  on. When every reward comes at the last turn, G_ik = R_i for every k and A_it equals
+  `group_advantages(R)_i` exactly (the same operations): GSPO-token on these advantages is
+  then GSPO on the episode reward. A group whose episode returns are all equal has no
+  scale: its tokens get G_{i,k(t)} - R_1 (exactly 0 where the return to go is the episode's).
+
+  Args:
+    turn_rewards_BxGxK: r_ik, the reward of model turn k (0 for turns not taken). G >= 2.
+    turn_BxGxT: int turn of each counted token, < 0 where the token does not count
+      (observations, padding): those get A = 0.
+    eps, scale_by_std: as in `group_advantages`.
+  Returns:
+    adv_BxGxT in at least float32.
+  """
+  fn = "turn_advantages"
+  _checks.check_rank(fn, "turn_rewards_BxGxK", turn_rewards_BxGxK, 3, "B, G, K")
+  _checks.check_rank(fn, "turn_BxGxT", turn_BxGxT, 3, "B, G, T")
+  if np.shape(turn_rewards_BxGxK)[1] < 2:
+    raise ValueError(f"{fn}: group size G = {np.shape(turn_rewards_BxGxK)[1]}; group "
+                     "normalisation needs G >= 2 episodes per prompt")
+  _checks.check_positive(fn, "eps", eps)
+  if _checks.is_concrete(turn_rewards_BxGxK):
+    _raise_on_nan(fn, np.asarray(turn_rewards_BxGxK).sum(-1))
+  r = jnp.asarray(turn_rewards_BxGxK)
+  r = r.astype(jnp.promote_types(r.dtype, jnp.float32))
+  # Return to go: a reversed cumulative sum over turns.
+  to_go_BxGxK = jnp.flip(jnp.cumsum(jnp.flip(r, -1), -1), -1)
+  R_BxG = to_go_BxGxK[..., 0]
+  K = r.shape[-1]
+  turn = jnp.asarray(turn_BxGxT)
+  to_go_BxGxT = jnp.take_along_axis(to_go_BxGxK, jnp.clip(turn, 0, K - 1), axis=-1)
+  all_equal = jnp.all(R_BxG == R_BxG[:, :1], axis=1, keepdims=True)[..., None]
+  mean = jnp.mean(R_BxG, axis=1, keepdims=True)[..., None]
+  centred = jnp.where(all_equal, to_go_BxGxT - R_BxG[:, :1, None], to_go_BxGxT - mean)
+  if scale_by_std:
+    std = jnp.std(R_BxG, axis=1, ddof=1, keepdims=True)[..., None]
+    centred = jnp.where(all_equal, centred, centred / (std + eps))
+  return jnp.where(turn >= 0, centred, jnp.zeros((), r.dtype))

@@ -345,7 +345,7 @@ def _put_rows(buf: Array, x: Array, index_BxG: Array, slot_axis: int) -> Array:
   own slot `index_BxG`: a select over the slots (a scatter would copy the cache on CPU).
   buf: (..., B, G, C, H, T) or (..., B, G, C, T, H) with an optional leading layers axis."""
   T = buf.shape[slot_axis]
-  hit_BxGxT = jnp.arange(T) == index_BxG[..., None]
+  hit_BxGxT = jnp.arange(T)[None, None] == index_BxG[..., None]
   shape = [1] * buf.ndim
   lead = buf.ndim - 5
   shape[lead], shape[lead + 1], shape[buf.ndim + slot_axis] = buf.shape[lead:lead + 2] + (T,)

@@ -129,7 +129,7 @@ class Episodes:
 def _put(buf_BxGxT: Array, slot_BxG: Array, x_BxG: Array, write_BxG: Array) -> Array:
   """buf with x written at each writing row's own slot (a select, static shapes)."""
   T = buf_BxGxT.shape[-1]
-  hit = (jnp.arange(T) == slot_BxG[..., None]) & write_BxG[..., None]
+  hit = (jnp.arange(T)[None, None] == slot_BxG[..., None]) & write_BxG[..., None]
   return jnp.where(hit, x_BxG.astype(buf_BxGxT.dtype)[..., None], buf_BxGxT)
 
 
@@ -228,7 +228,7 @@ def finish(s: EpisodeState, cfg: EpisodeConfig) -> Episodes:
   """The episodes' masks and lengths from the final state (every row done)."""
   T = cfg.sampler.max_new_tokens
   n_BxG = s.recorded_BxG
-  recorded = jnp.arange(T) < n_BxG[..., None]
+  recorded = jnp.arange(T)[None, None] < n_BxG[..., None]
   model = recorded & ~s.obs_mask_BxGxT
   mask = model.astype(jnp.float32)
   eos = jnp.any(model & (s.tokens_BxGxT == cfg.sampler.eos_id), axis=-1)
