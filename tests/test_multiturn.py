@@ -254,3 +254,12 @@ def test_episode_config_checks():
     episode_cfg(stop_ids=(EOS,))
   with pytest.raises(ValueError, match="stop_ids must be a non-empty tuple"):
     episode_cfg(stop_ids=())
+
+
+def test_scanned_layers_episodes_equal_teacher_forcing_and_a_full_prefill():
+  # Scanned layers write the new keys of all layers after the scan (`Transformer.decode`):
+  # the per-row slot write has its own code path there.
+  programs = Programs(transformer.create(config.tiny(scan_layers=True), seed=3))
+  got = programs.run()
+  test_sampler_logprobs_equal_teacher_forced_on_model_tokens(programs, got)
+  test_observations_on_the_cache_equal_a_full_prefill(programs, got)
