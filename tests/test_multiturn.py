@@ -238,13 +238,14 @@ def test_load_env_by_builtin_module_and_file(tmp_path):
 
 def test_calculator_env():
   env = envs.CalculatorEnv(Example("12*34=", "408"))
-  assert env.step("<calc>12*34</calc>", final=False) == EnvStep("408;", 0.0, {"tool_calls": 1})
-  assert env.step("<calc>(2+3)*-4</calc>", final=False).observation == "-20;"
-  for bad in ("<calc>12/4</calc>", "12*34</calc>", "<calc>__import__('os')</calc>"):
+  assert env.step("[12*34]", final=False) == EnvStep("408;", 0.0, {"tool_calls": 1})
+  assert env.step("x[(2+3)*-4]", final=False).observation == "-20;"
+  for bad in ("[12/4]", "12*34]", "[__import__('os')]", "[]"):
     assert env.step(bad, final=False) == EnvStep("?;", 0.0, {"malformed_calls": 1})
-  assert env.step("so 408", final=True) == EnvStep(None, 1.0)
-  assert env.step("408;9", final=True) == EnvStep(None, 0.0)
-  assert env.step("no number", final=False) == EnvStep(None, 0.0)
+  assert env.step(" 408 ", final=True) == EnvStep(None, 1.0)
+  assert env.step("408", final=False) == EnvStep(None, 1.0)      # not a call: the answer
+  assert env.step("so 408", final=True) == EnvStep(None, 0.0)
+  assert env.step("[12*34]", final=True) == EnvStep(None, 0.0)   # out of turns mid-call
   with pytest.raises(ValueError, match="longer than 64"):
     envs.calculate("1+" * 40 + "1")
 

@@ -20,8 +20,8 @@ bare name. Loading and every call are checked: a failure is an EnvError naming t
 environment, the example and the turn.
 
 Built-ins:
-  calculator   `CalculatorEnv`: evaluates `<calc>EXPR</calc>` tool calls (integers, + - *
-               and parentheses) and rewards the final answer.
+  calculator   `CalculatorEnv`: evaluates `[EXPR]` tool calls (integers, + - * and
+               parentheses) and rewards the final answer.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ import dataclasses
 import math
 import numbers
 import operator
-import re
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
@@ -126,7 +125,6 @@ def load_env(spec: str) -> LoadedEnv:
 # ----------------------------------------------------------------------------- calculator
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
-_LAST_NUMBER = re.compile(r"-?\d+")
 
 
 def calculate(expr: str) -> int:
@@ -151,22 +149,22 @@ def calculate(expr: str) -> int:
 class CalculatorEnv:
   """A calculator tool. A turn that ends with `CLOSE` is a tool call: the text after the
   last `OPEN` is evaluated (`calculate`) and the observation is the value followed by
-  `RESULT_END` (e.g. "<calc>12*34</calc>" -> "408;"). A call that is not a well-formed
-  expression gets the observation "?" + RESULT_END and counts in `malformed_calls`; well-
-  formed ones count in `tool_calls`. The episode's reward is earned on its final turn:
-  1.0 when the last integer of that turn equals the example's answer, else 0.0 (tool
-  calls themselves earn nothing)."""
+  `RESULT_END` (e.g. "[12*34]" -> "408;"; one-character tags, so that a small tokenizer
+  has them as single tokens and "]" can be the stop token). A call that is not a
+  well-formed expression gets the observation "?" + RESULT_END and counts in
+  `malformed_calls`; well-formed ones count in `tool_calls`. The episode's reward is earned
+  on its final turn: 1.0 when that turn's text (stripped) is the example's answer, else
+  0.0; tool calls themselves earn nothing. The episode ends at the first turn that is not
+  a tool call."""
 
-  OPEN, CLOSE, RESULT_END = "<calc>", "</calc>", ";"
+  OPEN, CLOSE, RESULT_END = "[", "]", ";"
 
   def __init__(self, example):
     self.answer = example.answer.strip()
 
   def step(self, turn_text: str, *, final: bool) -> EnvStep:
     if final or not turn_text.endswith(self.CLOSE):
-      numbers_ = _LAST_NUMBER.findall(turn_text)
-      correct = bool(numbers_) and numbers_[-1] == self.answer
-      return EnvStep(None, 1.0 if correct else 0.0)
+      return EnvStep(None, 1.0 if turn_text.strip() == self.answer else 0.0)
     call = turn_text[:-len(self.CLOSE)].rpartition(self.OPEN)
     try:
       if not call[1]:

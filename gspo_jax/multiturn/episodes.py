@@ -11,8 +11,9 @@ Outcomes, all counted (`EpisodeResult.counts`), none silent:
   * an observation longer than O tokens, or one that leaves no slot for a model token
     after it (`recorded + len >= T`): the episode ends and all its turn rewards are set to
     0 (`obs_overflow`); the observation is not appended, so no mask is ever cut short;
-  * anything the environment raises or answers wrongly: an EnvError naming the
-    environment, the example and the turn (`gspo_jax.multiturn.envs`).
+  * anything the environment raises or answers wrongly, or an observation the tokenizer
+    cannot encode: an EnvError naming the environment, the example and the turn
+    (`gspo_jax.multiturn.envs`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import jax
 import numpy as np
 
 from gspo_jax import text
-from gspo_jax.multiturn.envs import LoadedEnv
+from gspo_jax.multiturn.envs import EnvError, LoadedEnv
 from gspo_jax.multiturn.sampler import EpisodeConfig, Episodes, EpisodeState
 
 COUNTS = ("turns", "ended_by_env", "obs_overflow", "turn_limit")
@@ -48,6 +49,15 @@ def _turn_texts(tok, state: EpisodeState, rows: np.ndarray) -> list[str]:
   turn = flat(state.turn_BxG)
   sel = recorded & ~obs & (turn_of == turn[:, None])
   return text.decode_completions(tok, tokens[rows], sel[rows])
+
+
+def _encode_observation(tok, env: LoadedEnv, example, turn: int, observation: str) -> list[int]:
+  try:
+    return tok.encode(observation)
+  except ValueError as e:
+    raise EnvError(f"environment {env.spec!r}: its observation {observation[:80]!r} on example "
+                   f"{example.prompt[:80]!r}, turn {turn}, cannot be tokenized: {e}",
+                   env=env.spec, example=repr(example.prompt), turn=turn) from e
 
 
 def run_episodes(start: Callable, resume: Callable, finish: Callable, prompts_BxP, lens_B,
@@ -87,7 +97,7 @@ def run_episodes(start: Callable, resume: Callable, finish: Callable, prompts_Bx
         finished[r] = True
         counts["ended_by_env" if not final else "turn_limit"] += (not final) or (not done[r])
         continue
-      ids = tok.encode(out.observation)
+      ids = _encode_observation(tok, env, examples[r], k, out.observation)
       if len(ids) > O or recorded[r] + len(ids) >= T:
         finished[r], overflow[r] = True, True
         counts["obs_overflow"] += 1

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import flax.struct
 import jax
@@ -253,3 +254,19 @@ def resume_jit(params, state, prompt_lens_B, obs_BxGxO, obs_len_BxG, resume_BxG,
 
 
 finish_jit = jax.jit(finish, static_argnames=("cfg",))
+
+
+@dataclasses.dataclass(frozen=True)
+class EpisodePrograms:
+  """A run's compiled multi-turn programs (`programs.episode_programs`), parameters first:
+  start(params, prompts_BxP, lens_B, key), resume(params, state, lens_B, obs_BxGxO,
+  obs_len_BxG, resume_BxG, key) (the state donated), finish(state) -> Episodes."""
+  cfg: EpisodeConfig
+  start: Callable
+  resume: Callable
+  finish: Callable
+
+  def bound(self, params):
+    """(start, resume, finish) with `params` bound, as `episodes.run_episodes` takes them."""
+    return (functools.partial(self.start, params), functools.partial(self.resume, params),
+            self.finish)
