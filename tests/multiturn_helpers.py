@@ -8,7 +8,7 @@ from gspo_jax.multiturn.sampler import EpisodeConfig
 from gspo_jax.sampling import SamplerConfig
 
 PAD, EOS, BOS = 0, 1, 2
-CHARS = "0123456789;?+*<>/calc"   # ids 3.. ; "/" is the stop token of these tests
+CHARS = "0123456789;?+*<>/calc[]"   # ids 3.. ; "/" is the stop token of these tests
 VOCAB_LIMIT = 3 + len(set(CHARS))
 
 
@@ -22,6 +22,10 @@ class CharTok:
 
   def encode(self, s: str, add_special_tokens: bool = False) -> list[int]:
     return [self.ids[c] for c in s]
+
+  @property
+  def vocab_size(self) -> int:
+    return VOCAB_LIMIT
 
   def decode(self, ids) -> str:
     return "".join(self.chars[i - 3] if i >= 3 else "" for i in ids)

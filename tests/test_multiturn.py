@@ -248,6 +248,8 @@ def test_calculator_env():
   assert env.step("[12*34]", final=True) == EnvStep(None, 0.0)   # out of turns mid-call
   with pytest.raises(ValueError, match="longer than 64"):
     envs.calculate("1+" * 40 + "1")
+  shaped = envs.load_env("calculator_shaped").make(Example("2*3=", "6"))
+  assert [shaped.step("[2*3]", final=False).reward for _ in range(2)] == [0.1, 0.0]
 
 
 def test_episode_config_checks():
@@ -264,3 +266,52 @@ def test_scanned_layers_episodes_equal_teacher_forcing_and_a_full_prefill():
   got = programs.run()
   test_sampler_logprobs_equal_teacher_forced_on_model_tokens(programs, got)
   test_observations_on_the_cache_equal_a_full_prefill(programs, got)
+
+
+# ------------------------------------------------------------------ config, task, cold start
+
+
+def test_multiturn_config_refuses_what_it_does_not_support():
+  from gspo_jax import config as C
+  on = C.MultiTurnConfig(env="calculator")
+  C.TrainConfig(multiturn=on, loss="gspo_token")
+  C.TrainConfig(multiturn=dataclasses.replace(on, credit="episode"), loss="gspo")
+  with pytest.raises(ValueError, match="credit='turn' gives per-token advantages, which "
+                                       "loss='gspo' cannot take"):
+    C.TrainConfig(multiturn=on, loss="gspo")
+  with pytest.raises(ValueError, match=r"does not support rollout.oversample"):
+    C.TrainConfig(multiturn=on, loss="gspo_token",
+                  rollout=C.RolloutConfig(oversample=8))
+  with pytest.raises(ValueError, match=r"does not support truncation='mask'/'overlong'"):
+    C.TrainConfig(multiturn=on, loss="gspo_token", truncation="mask")
+  with pytest.raises(ValueError, match="multiturn.\\* settings apply to multi-turn episodes"):
+    C.TrainConfig(multiturn=C.MultiTurnConfig(max_turns=2))
+  with pytest.raises(ValueError, match="multiturn.max_obs_tokens must be an int >= 1"):
+    C.MultiTurnConfig(max_obs_tokens=0)
+
+
+def test_stop_strings_must_be_single_tokens():
+  from gspo_jax import config as C
+  from gspo_jax import programs
+  cfg = C.TrainConfig(multiturn=C.MultiTurnConfig(env="calculator", stop_strings=("/", "<>")),
+                      loss="gspo_token")
+  with pytest.raises(ValueError, match=r"multiturn.stop_strings: '<>' is 2 tokens"):
+    programs.episode_configs(TOK, cfg)
+  rollout, greedy = programs.episode_configs(
+      TOK, dataclasses.replace(cfg, multiturn=dataclasses.replace(cfg.multiturn,
+                                                                  stop_strings=("/",))))
+  assert rollout.stop_ids == greedy.stop_ids == (TOK.ids["/"],) and greedy.sampler.greedy
+
+
+def test_tool_task_demonstrations_mask_the_observation():
+  from gspo_jax import text
+  from gspo_jax.tasks import make_task
+  task = make_task("tool_multiplication", digits=2)
+  ex = task.example(12, 34)
+  assert task.demonstration(ex) == "[12*34]408;408"
+  assert task.is_correct(ex, "[12*34]408;408") and task.is_correct(ex, "408")
+  assert not task.is_correct(ex, "[12*34]408;40") and not task.is_correct(ex, "[12*34]")
+  ids, mask = text.encode_segments(TOK, [task.demonstration_segments(ex)], 18)
+  assert TOK.decode(ids[0]) == "[12*34]408;408"
+  # "[12*34]" 7 model tokens, "408;" 4 observation tokens, "408" + EOS 4 model tokens.
+  np.testing.assert_array_equal(mask[0], [1] * 7 + [0] * 4 + [1] * 4 + [0] * 3)

@@ -22,6 +22,7 @@ environment, the example and the turn.
 Built-ins:
   calculator   `CalculatorEnv`: evaluates `[EXPR]` tool calls (integers, + - * and
                parentheses) and rewards the final answer.
+  calculator_shaped   `ShapedCalculatorEnv`: the same, and 0.1 for the first well-formed call.
 """
 
 from __future__ import annotations
@@ -158,9 +159,11 @@ class CalculatorEnv:
   a tool call."""
 
   OPEN, CLOSE, RESULT_END = "[", "]", ";"
+  CALL_REWARD = 0.0   # earned by the episode's first well-formed call (ShapedCalculatorEnv)
 
   def __init__(self, example):
     self.answer = example.answer.strip()
+    self.calls = 0
 
   def step(self, turn_text: str, *, final: bool) -> EnvStep:
     if final or not turn_text.endswith(self.CLOSE):
@@ -172,7 +175,17 @@ class CalculatorEnv:
       value = calculate(call[2])
     except ValueError:
       return EnvStep("?" + self.RESULT_END, 0.0, {"malformed_calls": 1})
-    return EnvStep(f"{value}{self.RESULT_END}", 0.0, {"tool_calls": 1})
+    self.calls += 1
+    return EnvStep(f"{value}{self.RESULT_END}", self.CALL_REWARD if self.calls == 1 else 0.0,
+                   {"tool_calls": 1})
 
 
-BUILTINS: dict[str, EnvFactory] = {"calculator": CalculatorEnv}
+class ShapedCalculatorEnv(CalculatorEnv):
+  """`CalculatorEnv` whose first well-formed call earns 0.1 on its turn: a per-turn reward,
+  so that per-turn credit (GSPO-token on `advantages.turn_advantages`) differs from the
+  episode's (only the call's turn is credited with it); at most 0.1 of an episode's 1.1."""
+  CALL_REWARD = 0.1
+
+
+BUILTINS: dict[str, EnvFactory] = {"calculator": CalculatorEnv,
+                                   "calculator_shaped": ShapedCalculatorEnv}

@@ -95,7 +95,10 @@ def run_episodes(start: Callable, resume: Callable, finish: Callable, prompts_Bx
         counts[name] = counts.get(name, 0.0) + float(value)
       if final or out.observation is None:
         finished[r] = True
-        counts["ended_by_env" if not final else "turn_limit"] += (not final) or (not done[r])
+        if not final:
+          counts["ended_by_env"] += 1
+        elif not done[r]:  # paused at a tool call in its last allowed turn
+          counts["turn_limit"] += 1
         continue
       ids = _encode_observation(tok, env, examples[r], k, out.observation)
       if len(ids) > O or recorded[r] + len(ids) >= T:
