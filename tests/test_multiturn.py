@@ -317,20 +317,25 @@ def test_tool_task_demonstrations_mask_the_observation():
   np.testing.assert_array_equal(mask[0], [1] * 7 + [0] * 4 + [1] * 4 + [0] * 3)
 
 
+class OneTurn(ScriptedEnv):
+  """Ends every episode after its first turn; rewards 0, 1 or 2 by the turn's length."""
+  def step(self, turn_text, *, final):
+    return EnvStep(None, float(len(turn_text) % 3))
+
+
 @pytest.mark.slow  # ~45 s on 2 cores, nearly all compiling three updates
-def test_update_with_turn_credit_is_gspo_where_credit_is_per_episode(programs, result):
-  # The training wiring: prepare on the episodes, then the update. With all the reward at
-  # each episode's last turn, GSPO-token on per-turn credit takes GSPO's step on the
-  # episode reward; with rewards on earlier turns it does not.
+def test_update_with_turn_credit_is_gspo_on_one_turn_and_differs_on_several(programs, result):
+  # The training wiring: prepare on the episodes, then the update (2 minibatches, so the
+  # second is off-policy and clips). One turn per episode: per-turn credit is the episode's,
+  # and GSPO-token takes GSPO's step. Rewards on several turns: another step.
   from gspo_jax import config as C
   from gspo_jax import step
-  ep = result.episodes
   base = C.TrainConfig(model=config.tiny(), rollout=C.RolloutConfig(
       prompts_per_iter=B, group_size=G, max_new_tokens=T, max_prompt_len=8),
       sft=C.SFTConfig(steps=0), optim=C.OptimConfig(learning_rate=1e-3), num_minibatches=2)
   tx = step.make_optimizer(base.optim)
 
-  def one_update(cfg, rewards):
+  def one_update(cfg, ep, rewards):
     state = step.TrainState(programs.params, tx.init(programs.params), jnp.zeros((), jnp.int32),
                             jax.random.key(0))
     batch = step.prepare(programs.params, None, ep.as_rollout(), *prompts(),
@@ -341,16 +346,16 @@ def test_update_with_turn_credit_is_gspo_where_credit_is_per_episode(programs, r
 
   turn_cfg = dataclasses.replace(base, loss="gspo_token",
                                  multiturn=C.MultiTurnConfig(env="calculator"))
-  episode_cfg_ = dataclasses.replace(base, loss="gspo")
-  turns = np.asarray(ep.turns_BxG)
-  final = np.zeros_like(result.turn_rewards_BxGxK)
-  np.put_along_axis(final, (turns - 1)[..., None], result.rewards_BxG[..., None], -1)
-  want = one_update(episode_cfg_, result.rewards_BxG)
-  got = one_update(turn_cfg, final)
+  gspo_cfg = dataclasses.replace(base, loss="gspo")
   gap = lambda x, y: max(float(jnp.max(jnp.abs(a - b))) for a, b in
                          zip(jax.tree.leaves(x), jax.tree.leaves(y)))
+  one = programs.run(OneTurn)
+  np.testing.assert_array_equal(one.episodes.turns_BxG, 1)
+  assert np.ptp(one.rewards_BxG) > 0
+  want = one_update(gspo_cfg, one.episodes, one.rewards_BxG)
   # AdamW normalises each step, so float rounding of near-zero gradients shows in the
-  # parameters (measured 1.6e-5), where different credit moves them by 3.3e-3 (measured).
-  assert gap(got, want) < 1e-4
-  differ = one_update(turn_cfg, result.turn_rewards_BxGxK)   # turn k earns k + 1
-  assert gap(differ, want) > 1e-3
+  # parameters (below 1e-4), where different credit moves them by about the learning rate.
+  assert gap(one_update(turn_cfg, one.episodes, one.turn_rewards_BxGxK), want) < 1e-4
+  want = one_update(gspo_cfg, result.episodes, result.rewards_BxG)
+  got = one_update(turn_cfg, result.episodes, result.turn_rewards_BxGxK)  # turn k earns k + 1
+  assert gap(got, want) > 1e-3

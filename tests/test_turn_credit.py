@@ -20,38 +20,46 @@ REWARDS_1x3x2 = np.array([[[0.5, 1.0], [0.0, 0.0], [1.0, 0.0]]])
 
 
 def test_hand_values(dtype, tol):
-  # Episode returns R = (1.5, 0, 1), mean 5/6, std (ddof 1) = sqrt(((2/3)^2 + (5/6)^2 +
-  # (1/6)^2) / 2) = sqrt(7/12). Returns to go: (1.5, 1), (0, 0), (1, 0).
-  s = math.sqrt(7 / 12) + 1e-6
-  a = lambda to_go: (to_go - 5 / 6) / s
-  want = [[[a(1.5), a(1.5), 0, a(1.0), a(1.0)],
+  # Returns to go: (1.5, 1), (0, -), (1, 0); episode 1 never reached turn 1.
+  # Turn 0 over all three: mean 5/6, std (ddof 1) = sqrt(((2/3)^2 + (5/6)^2 + (1/6)^2) / 2)
+  # = sqrt(7/12). Turn 1 over episodes 0 and 2: (1, 0), mean 1/2, std sqrt(1/2).
+  s0, s1 = math.sqrt(7 / 12) + 1e-6, math.sqrt(1 / 2) + 1e-6
+  a = lambda to_go: (to_go - 5 / 6) / s0
+  b = 0.5 / s1
+  want = [[[a(1.5), a(1.5), 0, b, b],
            [a(0.0), a(0.0), a(0.0), 0, 0],
-           [a(1.0), 0, a(0.0), a(0.0), 0]]]
+           [a(1.0), 0, -b, -b, 0]]]
   got = turn_advantages(jnp.asarray(REWARDS_1x3x2, dtype), jnp.asarray(TURN_1x3x5))
   np.testing.assert_allclose(got, want, **tol)
-  # Without std scaling: returns to go minus the mean episode return.
+  # Without std scaling: each turn's returns minus their mean over the episodes that took it.
   got = turn_advantages(jnp.asarray(REWARDS_1x3x2, dtype), jnp.asarray(TURN_1x3x5),
                         scale_by_std=False)
-  np.testing.assert_allclose(got[0, 0], [2 / 3, 2 / 3, 0, 1 / 6, 1 / 6], **tol)
+  np.testing.assert_allclose(got[0, 0], [2 / 3, 2 / 3, 0, 1 / 2, 1 / 2], **tol)
 
 
-def test_equal_episode_returns_keep_the_turn_signal_unscaled():
-  # R = (1, 1): no scale. Episode 0 earned its reward on turn 0, episode 1 on turn 1, so
-  # episode 0's second turn has 0 still to come: 0 - R_1 = -1; everything else 0 exactly.
+def test_a_turn_with_equal_returns_or_one_episode_gets_zero():
+  # Turn 0: returns (1, 1), equal -> 0 exactly. Turn 1: (0, 1) -> -+1/sqrt(1/2).
   r = jnp.asarray([[[1.0, 0.0], [0.0, 1.0]]])
   turn = jnp.asarray([[[0, 1], [0, 1]]])
-  np.testing.assert_array_equal(turn_advantages(r, turn), [[[0.0, -1.0], [0.0, 0.0]]])
+  b = 0.5 / (math.sqrt(0.5) + 1e-6)
+  np.testing.assert_allclose(turn_advantages(r, turn), [[[0.0, -b], [0.0, b]]], rtol=1e-6)
+  assert turn_advantages(r, turn)[0, 0, 0] == 0.0
+  # Only episode 0 reached turn 1: no baseline there, 0.
+  turn = jnp.asarray([[[0, 1], [0, -1]]])
+  assert turn_advantages(r, turn)[0, 0, 1] == 0.0
 
 
-def random_episodes(rng, B=3, G=4, K=3, T=12):
-  """Turns of each model token (observations and padding -1) and a per-turn reward table."""
-  turns = rng.integers(1, K + 1, (B, G))
+def random_episodes(rng, B=3, G=4, K=3, T=12, same_turns=False):
+  """Turns of each model token (observations and padding -1) and the turns taken."""
+  turns = np.full((B, G), K) if same_turns else rng.integers(1, K + 1, (B, G))
   turn = np.full((B, G, T), -1)
   for b in range(B):
     for g in range(G):
-      bounds = np.sort(rng.choice(np.arange(1, T), turns[b, g], replace=False))
-      for k in range(turns[b, g]):
-        turn[b, g, (bounds[k - 1] + 1 if k else 0):bounds[k]] = k   # the slot at a bound: obs
+      t = 0
+      for k in range(turns[b, g]):   # 1-3 model tokens per turn (as sampled: never 0)
+        n = rng.integers(1, 4)
+        turn[b, g, t:t + n] = k
+        t += n + 1                   # then one observation token (-1)
   return turns, turn
 
 
@@ -66,14 +74,17 @@ def flat(x):
   return jnp.asarray(x).reshape(-1, x.shape[-1])
 
 
-def test_reward_only_at_the_end_gives_the_episode_advantage_exactly(dtype):
+def test_reward_only_at_the_end_gives_the_episode_advantage_exactly(dtype, tol):
+  # Every episode takes all K turns and is rewarded on the last: every turn's return is R_i.
   rng = np.random.default_rng(0)
-  turns, turn = random_episodes(rng)
+  turns, turn = random_episodes(rng, same_turns=True)
   r = jnp.asarray(final_turn_rewards(rng, turns), dtype)
   adv_BxGxT = turn_advantages(r, jnp.asarray(turn))
-  adv_BxG = group_advantages(jnp.sum(r, -1))
-  want = np.where(turn >= 0, np.asarray(adv_BxG)[..., None], 0)
-  np.testing.assert_array_equal(adv_BxGxT, want)
+  R = jnp.sum(r, -1)
+  exact = group_advantages(R, valid_BxG=jnp.ones(R.shape, bool))
+  np.testing.assert_array_equal(adv_BxGxT, np.where(turn >= 0, np.asarray(exact)[..., None], 0))
+  np.testing.assert_allclose(adv_BxGxT, np.where(turn >= 0, np.asarray(group_advantages(R))[
+      ..., None], 0), **tol)
 
 
 def losses_and_grads(adv_tok, adv_seq, turn, rng, scale=0.02):
@@ -88,13 +99,13 @@ def losses_and_grads(adv_tok, adv_seq, turn, rng, scale=0.02):
 
 def test_gspo_token_equals_gspo_when_credit_does_not_vary_by_turn():
   rng = np.random.default_rng(1)
-  turns, turn = random_episodes(rng)
+  turns, turn = random_episodes(rng, same_turns=True)
   r = final_turn_rewards(rng, turns)
   adv_seq = group_advantages(jnp.sum(jnp.asarray(r, jnp.float32), -1))
   # Off-policy enough that some sequences are clipped (about 40% of them: the clip range is
   # 3e-4 / 4e-4).
   (lt, gt), (ls, gs), _ = losses_and_grads(turn_advantages(r, turn), adv_seq, turn, rng)
-  np.testing.assert_allclose(lt, ls, rtol=1e-6)
+  np.testing.assert_allclose(lt, ls, rtol=1e-5, atol=1e-8)   # advantages: float rounding apart
   np.testing.assert_allclose(gt, gs, rtol=1e-5, atol=1e-8)
   assert np.abs(np.asarray(gs)).max() > 0
 
