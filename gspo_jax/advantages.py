@@ -1,6 +1,7 @@
-"""Group-normalised advantages (GRPO / GSPO, paper Eq. 6).
+"""Group-normalised advantages (GRPO / GSPO, paper Eq. 6), and their per-turn form for
+multi-turn episodes (`turn_advantages`, per-token credit for GSPO-token, paper Eq. 13).
 
-Legend: B = prompts, G = responses per prompt (the group).
+Legend: B = prompts, G = responses per prompt (the group), K = turns, T = tokens.
 """
 
 from __future__ import annotations
@@ -86,3 +87,55 @@ def _valid_group_advantages(r_BxG: Array, valid_BxG: Array, eps: float, scale_by
   lo = jnp.min(jnp.where(valid_BxG, r_BxG, jnp.inf), 1, keepdims=True)
   no_signal = (hi == lo) | (n_Bx1 < 2)
   return jnp.where(no_signal | ~valid_BxG, zero, centred)
+
+
+def turn_advantages(turn_rewards_BxGxK: Array, turn_BxGxT: Array, *, eps: float = 1e-6,
+                    scale_by_std: bool = True) -> Array:
+  """Per-token advantages of multi-turn episodes from per-turn rewards (GSPO-token credit).
+
+  Each turn's tokens get its group-normalised return: with the return to go of turn k
+  G_ik = sum_{j >= k} r_ij and S_k the episodes of the group that reached turn k,
+
+    A_it = (G_{i,k(t)} - mean_{j in S_k} G_jk) / (std_{j in S_k} G_jk + eps)   (ddof = 1)
+
+  for token t of turn k(t): `group_advantages` of turn k's returns over the episodes that
+  took it, so a turn is judged against the same turn of its group. (Normalising later turns
+  by the episode returns instead gives their tokens a systematic -(rewards already earned)
+  / std: measured, it drove tool-call answers down and training collapsed.) As in
+  `group_advantages`, a turn whose returns are all equal, or that fewer than 2 episodes of
+  the group reached, gets 0. With one turn per episode, or the same number of turns in
+  every episode and all the reward at the end, A_it is `group_advantages(R, valid_BxG=all
+  True)_i` exactly (the same operations) and `group_advantages(R)_i` to float rounding,
+  R_i = G_i0 the episode reward: GSPO-token on it is GSPO.
+
+  Args:
+    turn_rewards_BxGxK: r_ik, the reward of model turn k (0 for turns not taken). G >= 2.
+    turn_BxGxT: int turn of each counted token, < 0 where the token does not count
+      (observations, padding): those get A = 0. An episode reached turn k when one of its
+      tokens has turn k.
+    eps, scale_by_std: as in `group_advantages`.
+  Returns:
+    adv_BxGxT in at least float32.
+  """
+  fn = "turn_advantages"
+  _checks.check_rank(fn, "turn_rewards_BxGxK", turn_rewards_BxGxK, 3, "B, G, K")
+  _checks.check_rank(fn, "turn_BxGxT", turn_BxGxT, 3, "B, G, T")
+  if np.shape(turn_rewards_BxGxK)[1] < 2:
+    raise ValueError(f"{fn}: group size G = {np.shape(turn_rewards_BxGxK)[1]}; group "
+                     "normalisation needs G >= 2 episodes per prompt")
+  _checks.check_positive(fn, "eps", eps)
+  if _checks.is_concrete(turn_rewards_BxGxK):
+    _raise_on_nan(fn, np.asarray(turn_rewards_BxGxK).sum(-1))
+  r = jnp.asarray(turn_rewards_BxGxK)
+  r = r.astype(jnp.promote_types(r.dtype, jnp.float32))
+  B, G, K = r.shape
+  turn = jnp.asarray(turn_BxGxT)
+  # Return to go: a reversed cumulative sum over turns.
+  to_go_BxGxK = jnp.flip(jnp.cumsum(jnp.flip(r, -1), -1), -1)
+  reached_BxGxK = jnp.any(turn[:, :, None, :] == jnp.arange(K)[None, None, :, None], -1)
+  per_turn = lambda x: jnp.swapaxes(x, 1, 2).reshape(B * K, G)    # (B*K, G): one row per turn
+  adv_BKxG = _valid_group_advantages(per_turn(to_go_BxGxK), per_turn(reached_BxGxK), eps,
+                                     scale_by_std)
+  adv_BxGxK = jnp.swapaxes(adv_BKxG.reshape(B, K, G), 1, 2)
+  adv_BxGxT = jnp.take_along_axis(adv_BxGxK, jnp.clip(turn, 0, K - 1), axis=-1)
+  return jnp.where(turn >= 0, adv_BxGxT, jnp.zeros((), r.dtype))

@@ -21,8 +21,12 @@ def supervised_batch(run, examples):
   B = len(examples)
   mine = sharding.local_part(examples, mesh)
   prompts, lens = run.encode_prompts([e.prompt for e in mine])
-  tokens, mask = text.encode_completions(tok, [run.task.demonstration(e) for e in mine],
-                                         cfg.rollout.max_new_tokens)
+  if cfg.multiturn.env:  # observations in the demonstrations condition, are not learned
+    tokens, mask = text.encode_segments(tok, [run.task.demonstration_segments(e) for e in mine],
+                                        cfg.rollout.max_new_tokens)
+  else:
+    tokens, mask = text.encode_completions(tok, [run.task.demonstration(e) for e in mine],
+                                           cfg.rollout.max_new_tokens)
   return tuple(sharding.feed(x, mesh, B) for x in (prompts, lens, tokens, mask))
 
 

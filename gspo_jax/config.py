@@ -97,6 +97,38 @@ class RolloutConfig:
     return self.prompts_per_iter + self.oversample
 
 
+CREDITS = ("turn", "episode")
+
+
+@dataclasses.dataclass(frozen=True)
+class MultiTurnConfig:
+  """Multi-turn episodes with an environment (gspo_jax/multiturn/); off while `env` is "".
+  `rollout.max_new_tokens` is then the episode's token budget T, model and observation
+  tokens together."""
+  env: str = ""                     # an environment spec (multiturn.envs): "calculator", "mod:Name"
+  stop_strings: tuple[str, ...] = ("]",)   # end a model turn; each must be one token
+  max_obs_tokens: int = 16          # O: the longest observation appended (longer: episode ends)
+  max_turns: int = 4                # model turns per episode
+  # "turn": each turn's tokens get its group-normalised return (advantages.turn_advantages),
+  # for loss=gspo_token or grpo; "episode": the episode reward per sequence, any loss.
+  credit: Literal["turn", "episode"] = "turn"
+
+  def __post_init__(self):
+    _checks.check_choice("config", "multiturn.credit", self.credit, CREDITS)
+    for name in ("max_obs_tokens", "max_turns"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"multiturn.{name} must be an int >= 1; got {value!r}")
+    if not self.stop_strings or not all(isinstance(x, str) and x for x in self.stop_strings):
+      raise ValueError(f"multiturn.stop_strings must be non-empty strings; got "
+                       f"{self.stop_strings!r}")
+
+  @property
+  def turn_credit(self) -> bool:
+    """Per-token advantages from per-turn rewards (the update takes rewards_BxGxK)."""
+    return bool(self.env) and self.credit == "turn"
+
+
 @dataclasses.dataclass(frozen=True)
 class RolloutCorrectionConfig:
   """Importance weights w = pi_old / pi_sampler on each token of the loss and the KL term
@@ -210,6 +242,7 @@ class TrainConfig:
   num_minibatches: int = 4
   old_logp: Literal["recompute", "sampler"] = "recompute"  # "sampler": its log-probs are pi_old
   rollout_correction: RolloutCorrectionConfig = RolloutCorrectionConfig()
+  multiturn: MultiTurnConfig = MultiTurnConfig()
   routing: Literal["free", "track", "replay", "rollout_replay"] = "free"  # MoE: ROUTING_MODES
   kl_coef: float = 0.0
   kl_estimator: Literal["k1", "k2", "k3"] = "k3"
@@ -289,6 +322,7 @@ class TrainConfig:
       raise ValueError(f"data.train_file and reward apply to task='dataset' (reward also to "
                        f"task='gym'); task is {self.task!r}")
     check_gym(self.task, self.gym, self.data)
+    check_multiturn(self)
 
   def loss_kwargs(self) -> dict[str, Any]:
     """Keyword arguments of `losses.LOSSES[self.loss]`: the loss's own defaults
@@ -338,3 +372,29 @@ def check_truncation(cfg: TrainConfig) -> None:
     raise ValueError(f"truncation='overlong' needs 0 < overlong_cache < rollout.max_new_tokens "
                      f"({T}): the penalty falls from 0 at max_new_tokens - overlong_cache "
                      f"tokens to -1 at max_new_tokens; got overlong_cache={cache}")
+
+
+def check_multiturn(cfg: TrainConfig) -> None:
+  """Multi-turn episodes with the features they support; the others are refused here."""
+  mt = cfg.multiturn
+  if not mt.env:
+    if mt != MultiTurnConfig():
+      raise ValueError("multiturn.* settings apply to multi-turn episodes: set multiturn.env "
+                       "(e.g. multiturn.env=calculator)")
+    return
+  refused = {"rollout.oversample": cfg.rollout.oversample != 0,
+             "rollout.sampler_dtype": cfg.rollout.sampler_dtype != "",
+             "routing='rollout_replay'": cfg.routing == "rollout_replay"}
+  if mt.turn_credit:  # per-token advantages: these read one advantage per sequence
+    refused.update({"truncation='mask'/'overlong'": cfg.truncation != "count",
+                    "length_clip_metrics": cfg.length_clip_metrics,
+                    "rollout_correction.off_policy_threshold":
+                        bool(cfg.rollout_correction.off_policy_threshold)})
+  bad = [name for name, on in refused.items() if on]
+  if bad:
+    raise ValueError(f"multiturn.env={mt.env!r} (credit={mt.credit!r}) does not support "
+                     f"{', '.join(bad)}")
+  if mt.turn_credit and cfg.loss not in ("gspo_token", "grpo"):
+    raise ValueError(f"multiturn.credit='turn' gives per-token advantages, which "
+                     f"loss={cfg.loss!r} cannot take: use loss=gspo_token (or grpo), or "
+                     "multiturn.credit='episode' for one advantage per episode")

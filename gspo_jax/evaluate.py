@@ -45,9 +45,15 @@ def _generate(run, sampler, params, chunk, key):
   tok, mesh = run.tok, run.layout.mesh
   mine = sharding.local_part(chunk, mesh)
   prompts, lens = run.encode_prompts([e.prompt for e in mine])
-  rollout = sampler(params, sharding.feed(prompts, mesh, len(chunk)),
-                    sharding.feed(lens, mesh, len(chunk)), key)
-  tokens, mask = sharding.to_host(rollout.tokens_BxGxT), sharding.to_host(rollout.mask_BxGxT)
+  prompts, lens = sharding.feed(prompts, mesh, len(chunk)), sharding.feed(lens, mesh, len(chunk))
+  if run.cfg.multiturn.env:  # whole episodes: the model's turns and the observations
+    from gspo_jax.multiturn.rollout import sample_episodes
+    ep = sample_episodes(run, sampler, params, prompts, lens, key, mine).episodes
+    tokens, mask = sharding.to_host(ep.tokens_BxGxT), sharding.to_host(ep.mask_BxGxT +
+                                                                       ep.obs_mask_BxGxT)
+  else:
+    rollout = sampler(params, prompts, lens, key)
+    tokens, mask = sharding.to_host(rollout.tokens_BxGxT), sharding.to_host(rollout.mask_BxGxT)
   b, G, L = tokens.shape
   texts = text.decode_completions(tok, tokens.reshape(b * G, L), mask.reshape(b * G, L))
   return mine, [texts[i * G:(i + 1) * G] for i in range(b)]
@@ -80,11 +86,14 @@ def _responses(run, sampler, params, examples, *, batch: int, seed: int = 0):
 
 def evaluate(run, params, examples, *, batch: int = 256):
   """Greedy accuracy and mean reward of the policy `params` on `examples` (G = 1, argmax
-  decoding, the run's `programs.greedy`). `run` is a `gspo_jax.run.Run`.
+  decoding, the run's `programs.greedy`). `run` is a `gspo_jax.run.Run`. A multi-turn run
+  (`multiturn.env`) decodes whole episodes with its environment, and the task scores each
+  episode's text (model turns and observations); pass@k likewise.
 
   With a mesh, each process decodes and scores its own rows, and the results are gathered
   over processes."""
-  correct, rewards, shown = _responses(run, run.programs.greedy, params, examples, batch=batch)
+  greedy = run.programs.episode_greedy if run.cfg.multiturn.env else run.programs.greedy
+  correct, rewards, shown = _responses(run, greedy, params, examples, batch=batch)
   return {"accuracy": float(correct.mean()), "reward": float(rewards.mean()),
           "greedy": [texts[0] for _, texts in shown]}
 
@@ -93,8 +102,13 @@ def sample_pass_at_k(run, params, examples, *, n: int, k: int, batch: int = 32, 
   """pass@k (mean over examples) from n responses per example, sampled like the rollouts
   (temperature, top-p, top-k of cfg.rollout). Returns the metric, the mean reward, the
   per-example correct counts and this process's (example, texts)."""
-  rollout_cfg, _ = programs.sampler_configs(run.tok, run.cfg)
-  sampler = run.programs.sampler(dataclasses.replace(rollout_cfg, group_size=n))
+  if run.cfg.multiturn.env:  # n whole episodes per example
+    ecfg, _ = programs.episode_configs(run.tok, run.cfg)
+    sampler = run.programs.episodes(dataclasses.replace(
+        ecfg, sampler=dataclasses.replace(ecfg.sampler, group_size=n)))
+  else:
+    rollout_cfg, _ = programs.sampler_configs(run.tok, run.cfg)
+    sampler = run.programs.sampler(dataclasses.replace(rollout_cfg, group_size=n))
   correct, rewards, shown = _responses(run, sampler, params, examples, batch=batch, seed=seed)
   counts = correct.sum(-1)
   return {f"pass@{k}": float(np.mean(pass_at_k(n, counts, k))), "sample_reward":

@@ -53,18 +53,19 @@ class Layout:
 
 def make_layout(params, tx, mesh: Mesh, with_ref: bool, moe_layers: int = 0,
                 sft_tx=None, with_sampler_logp: bool = False,
-                rollout_experts: bool = False) -> Layout:
+                rollout_experts: bool = False, with_turns: bool = False) -> Layout:
   """`moe_layers`: how many expert-choice arrays the batch carries (0 unless routing is
   tracked or replayed); `sft_tx`: the cold start's optimiser (None: no cold start);
   `with_sampler_logp`: the batch keeps the sampler's log-probs (rollout correction);
-  `rollout_experts`: the rollout carries the sampler's `moe_layers` expert choices (R3)."""
+  `rollout_experts`: the rollout carries the sampler's `moe_layers` expert choices (R3);
+  `with_turns`: the batch carries the turn of each token (multi-turn, turn credit)."""
   ps = sharding.param_shardings(params, mesh)
   rep, rows = sharding.replicated(mesh), functools.partial(sharding.batch_sharding, mesh)
   state = TrainState(params=ps, opt_state=sharding.optimizer_shardings(tx, params, ps, mesh),
                      step=rep, key=rep)
   batch = Batch(rows(2), rows(1), rows(3), rows(3), rows(3), rows(3) if with_ref else None,
                 tuple(rows(3) for _ in range(moe_layers)) if moe_layers else None,
-                rows(3) if with_sampler_logp else None)
+                rows(3) if with_sampler_logp else None, rows(3) if with_turns else None)
   rollout = Rollout(rows(3), rows(3), rows(3), rows(3), rows(2), rows(2), rows(2), rep,
                     tuple(rows(3) for _ in range(moe_layers)) if rollout_experts else None)
   sft = None if sft_tx is None else sharding.optimizer_shardings(sft_tx, params, ps, mesh)
@@ -151,6 +152,11 @@ class Programs:
   prepare: Any    # (params, ref_params | None, rollout, prompts_BxP, lens_B) -> Batch
   update: Any     # (state, batch, rewards_BxG) -> (state, metrics); the state is donated
   sampler: Callable[[SamplerConfig], Any]   # another sampler program (e.g. pass@k's n samples)
+  # Multi-turn episodes (multiturn.env set; else None): the rollout's and the greedy
+  # evaluation's EpisodePrograms, and EpisodeConfig -> EpisodePrograms (pass@k's n).
+  episode: Any = None
+  episode_greedy: Any = None
+  episodes: Callable[[Any], Any] | None = None
 
 
 def make_programs(graphdef, tx, cfg: TrainConfig, layout: Layout, tok) -> Programs:
@@ -179,6 +185,45 @@ def make_programs(graphdef, tx, cfg: TrainConfig, layout: Layout, tok) -> Progra
           out_shardings=layout.batch),
       update=jax.jit(
           functools.partial(step.update, graphdef=graphdef, tx=tx, cfg=cfg, mesh=layout.mesh),
-          in_shardings=(layout.state, layout.batch, rows(2)), out_shardings=(layout.state, rep),
-          donate_argnums=(0,)),
-      sampler=sampler)
+          # rewards_BxG, or per-turn rewards_BxGxK with multiturn.credit="turn"
+          in_shardings=(layout.state, layout.batch, rows(3 if cfg.multiturn.turn_credit else 2)),
+          out_shardings=(layout.state, rep), donate_argnums=(0,)),
+      sampler=sampler, **_episode_fields(graphdef, cfg, layout, tok))
+
+
+def episode_configs(tok, cfg: TrainConfig):
+  """(the rollout's, the greedy evaluation's) EpisodeConfig: the samplers of
+  `sampler_configs` with the episode budget rollout.max_new_tokens and the stop strings'
+  token ids (ValueError naming multiturn.stop_strings unless each is one token)."""
+  from gspo_jax.multiturn.sampler import EpisodeConfig
+  mt, stop_ids = cfg.multiturn, []
+  for s in mt.stop_strings:
+    ids = tok.encode(s)
+    if len(ids) != 1:
+      raise ValueError(f"multiturn.stop_strings: {s!r} is {len(ids)} tokens of this tokenizer "
+                       f"({ids}); a stop string must be exactly one token")
+    stop_ids.append(ids[0])
+  knobs = dict(stop_ids=tuple(stop_ids), max_obs_tokens=mt.max_obs_tokens,
+               max_turns=mt.max_turns)
+  return tuple(EpisodeConfig(sampler=s, **knobs) for s in sampler_configs(tok, cfg))
+
+
+def _episode_fields(graphdef, cfg: TrainConfig, layout: Layout, tok) -> dict[str, Any]:
+  if not cfg.multiturn.env:
+    return {}
+  build = functools.partial(episode_programs, graphdef, layout=layout)
+  rollout, greedy = episode_configs(tok, cfg)
+  return {"episode": build(rollout), "episode_greedy": build(greedy), "episodes": build}
+
+
+def episode_programs(graphdef, ecfg, *, layout: Layout):
+  """The multi-turn sampler's programs for `ecfg` (a multiturn.sampler.EpisodeConfig):
+  start, resume and finish, with the parameters in their shardings and the prompts split
+  by rows; the episode state's shardings follow from them."""
+  from gspo_jax.multiturn import sampler as mt
+  ps, rows, rep = layout.state.params, layout.rows, layout.replicated
+  start = jax.jit(functools.partial(mt.start, graphdef, cfg=ecfg),
+                  in_shardings=(ps, rows(2), rows(1), rep))
+  resume = jax.jit(lambda params, state, lens, obs, obs_len, go, key: mt.resume(
+      graphdef, params, state, lens, obs, obs_len, go, key, cfg=ecfg), donate_argnums=(1,))
+  return mt.EpisodePrograms(ecfg, start, resume, jax.jit(functools.partial(mt.finish, cfg=ecfg)))

@@ -203,13 +203,14 @@ def split_spec(spec: str) -> tuple[str, float]:
   return target.strip(), w
 
 
-def _import_module(module: str, spec: str):
-  """A module by dotted name, or a .py file by path (imported under a private name)."""
+def import_module(module: str, spec: str, kind: str = "reward"):
+  """A module by dotted name, or a .py file by path (imported under a private name);
+  errors name the `kind` of thing being loaded and its spec."""
   if module.endswith(".py") or os.sep in module:
     path = os.path.abspath(module)
     if not os.path.isfile(path):
-      raise ValueError(f"reward {spec!r}: file {module!r} not found")
-    name = "_gspo_reward_" + re.sub(r"\W", "_", path)
+      raise ValueError(f"{kind} {spec!r}: file {module!r} not found")
+    name = f"_gspo_{kind}_" + re.sub(r"\W", "_", path)
     if name in sys.modules:
       return sys.modules[name]
     loader_spec = importlib.util.spec_from_file_location(name, path)
@@ -219,12 +220,12 @@ def _import_module(module: str, spec: str):
       loader_spec.loader.exec_module(mod)
     except Exception as e:
       del sys.modules[name]
-      raise ValueError(f"reward {spec!r}: importing {path} raised {type(e).__name__}: {e}") from e
+      raise ValueError(f"{kind} {spec!r}: importing {path} raised {type(e).__name__}: {e}") from e
     return mod
   try:
     return importlib.import_module(module)
   except Exception as e:
-    raise ValueError(f"reward {spec!r}: cannot import module {module!r} "
+    raise ValueError(f"{kind} {spec!r}: cannot import module {module!r} "
                      f"({type(e).__name__}: {e}); is it on PYTHONPATH?") from e
 
 
@@ -253,7 +254,7 @@ def load_reward(spec: str) -> Reward:
     fn, name = BUILTINS[target], target
   else:
     module, _, attr = target.rpartition(":")
-    mod = _import_module(module, spec)
+    mod = import_module(module, spec)
     fn = getattr(mod, attr, None)
     if not callable(fn):
       raise ValueError(f"reward {spec!r}: module {module!r} has no function {attr!r}")

@@ -57,7 +57,8 @@ def _layout(params, tx, mesh, cfg: TrainConfig) -> Layout:
   sft_tx = sft_optimizer(cfg.sft) if cfg.sft.steps > 0 else None
   return make_layout(params, tx, mesh, bool(cfg.kl_coef), batch_moe_layers(cfg), sft_tx,
                      cfg.rollout_correction.needs_sampler_logp,
-                     rollout_experts=cfg.routing == "rollout_replay")
+                     rollout_experts=cfg.routing == "rollout_replay",
+                     with_turns=cfg.multiturn.turn_credit)
 
 
 def make_task(cfg: TrainConfig):

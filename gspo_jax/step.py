@@ -23,7 +23,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from gspo_jax import dynamic, lengths, losses, mismatch, rng, sharding
-from gspo_jax.advantages import group_advantages
+from gspo_jax.advantages import group_advantages, turn_advantages
 from gspo_jax.config import OptimConfig, SFTConfig, TrainConfig
 from gspo_jax.sampling import Rollout
 from gspo_jax.teacher_forcing import response_logprobs
@@ -54,13 +54,16 @@ class Batch:
   # The sampler's log-probs next to the recomputed pi_old (0 where masked); present only
   # when the rollout correction or the off-policy mask reads them.
   sampler_logp_BxGxT: Array | None = None
+  # Multi-turn episodes with multiturn.credit="turn": the turn of each model token (-1 where
+  # it does not count), what per-turn rewards become per-token advantages by.
+  turn_BxGxT: Array | None = None
 
 
 @flax.struct.dataclass
 class Minibatch:
   """`b` prompts with `g` responses each (see the module legend) and their advantages."""
   rows: Batch                     # prompts_bxP, tokens_bxgxT, ...; old_experts (b*g, S, K)
-  adv_bxg: Array
+  adv_bxg: Array                  # (b, g), or per token (b, g, T) with turn credit
   # Rollout-correction weights (`correction_weights`), 0 where masked; None when off.
   token_weights_bxgxT: Array | None = None
 
@@ -167,8 +170,8 @@ def minibatch_loss(params, graphdef, mb: Minibatch, cfg: TrainConfig):
   logp, router = policy_logprobs(params, graphdef, rows, cfg, replay=replay)
   flat = lambda x: x.reshape(-1, x.shape[-1])
   mask = flat(rows.mask_BxGxT)
-  loss_fn, args = losses.LOSSES[cfg.loss], (flat(logp), flat(rows.old_logp_BxGxT),
-                                            mb.adv_bxg.reshape(-1), mask)
+  adv = mb.adv_bxg.reshape(mask.shape if mb.adv_bxg.ndim == 3 else (-1,))
+  loss_fn, args = losses.LOSSES[cfg.loss], (flat(logp), flat(rows.old_logp_BxGxT), adv, mask)
   weights, metrics = token_weights(flat(logp), mb, cfg)
   kwargs = cfg.loss_kwargs() if weights is None else {**cfg.loss_kwargs(),
                                                       "token_weights_BxT": weights}
@@ -290,7 +293,8 @@ def split_minibatches(key: Array, batch: Batch, adv_BxG: Array, cfg: TrainConfig
                old_experts=None if batch.old_experts is None else
                tuple(constrain(experts(e), mesh) for e in batch.old_experts),
                sampler_logp_BxGxT=rows_of(batch.sampler_logp_BxGxT))
-  adv = adv_BxG[order] if cfg.share_prompts else adv_BxG.reshape(B * G, 1)[order]
+  adv = adv_BxG[order] if cfg.share_prompts else \
+      adv_BxG.reshape(B * G, 1, *adv_BxG.shape[2:])[order]   # (B, G) or per token (B, G, T)
   return Minibatch(rows, stack(adv), rows_of(weights_BxGxT))
 
 
@@ -323,7 +327,16 @@ def update(state: TrainState, batch: Batch, rewards_BxG: Array, *, graphdef, tx,
   is judged by the rewards its advantages come from); `degenerate_groups_frac` and
   `dynamic_fill` report what was sampled and what was filled. With
   `rollout_correction.level` the rollout-correction weights and their metrics
-  (`correction_weights`) are the kept batch's."""
+  (`correction_weights`) are the kept batch's.
+
+  Multi-turn episodes with `multiturn.credit="turn"` pass the per-turn rewards
+  rewards_BxGxK instead; each token gets its turn's group-normalised return
+  (`advantages.turn_advantages` by `batch.turn_BxGxT`), adv_BxGxT (config.check_multiturn
+  refuses the options above that read one advantage per sequence)."""
+  if cfg.multiturn.turn_credit:
+    adv_BxGxT = turn_advantages(rewards_BxG, batch.turn_BxGxT)
+    return _minibatch_steps(state, batch, adv_BxGxT, {}, graphdef=graphdef, tx=tx, cfg=cfg,
+                            mesh=mesh)
   n_BxG = jnp.sum(batch.mask_BxGxT, axis=-1)
   extra = {}
   if cfg.truncation == "overlong":
@@ -338,6 +351,13 @@ def update(state: TrainState, batch: Batch, rewards_BxG: Array, *, graphdef, tx,
     valid_BxG = None if valid_BxG is None else valid_BxG[order_B]
     extra.update(picked)
   adv_BxG = group_advantages(rewards_BxG, valid_BxG=valid_BxG)
+  return _minibatch_steps(state, batch, adv_BxG, extra, graphdef=graphdef, tx=tx, cfg=cfg,
+                          mesh=mesh)
+
+
+def _minibatch_steps(state: TrainState, batch: Batch, adv_BxG: Array, extra, *, graphdef, tx,
+                     cfg: TrainConfig, mesh):
+  """`update` after the advantages: the minibatch scan and its metrics summary."""
   weights_BxGxT, correction = correction_weights(batch, cfg)
   key = rng.device_key(state.key, state.step, "minibatch")
   minibatches = split_minibatches(key, batch, adv_BxG, cfg, mesh, weights_BxGxT)

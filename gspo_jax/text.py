@@ -78,6 +78,29 @@ def encode_completions(tok, texts: Sequence[str], max_len: int) -> tuple[np.ndar
   return ids_BxT, mask_BxT
 
 
+def encode_segments(tok, demos: Sequence[Sequence[tuple[str, bool]]], max_len: int
+                    ) -> tuple[np.ndarray, np.ndarray]:
+  """Multi-turn demonstrations to teacher-force: each a list of (text, is_observation)
+  segments, encoded one by one (as the sampler meets them: model tokens, then an
+  observation tokenized on its own) + [eos], cut to max_len, right-padded.
+
+  Returns:
+    ids_BxT int32; mask_BxT float32, 1.0 on model tokens and EOS, 0.0 on observation
+    tokens (they condition what follows but are not the model's to learn) and padding.
+  """
+  ids_BxT = np.full((len(demos), max_len), tok.pad_id, np.int32)
+  mask_BxT = np.zeros((len(demos), max_len), np.float32)
+  for i, segments in enumerate(demos):
+    row, counted = [], []
+    for segment, is_obs in segments:
+      ids = tok.encode(segment)
+      row += ids
+      counted += [0.0 if is_obs else 1.0] * len(ids)
+    row, counted = (row + [tok.eos_id])[:max_len], (counted + [1.0])[:max_len]
+    ids_BxT[i, :len(row)], mask_BxT[i, :len(row)] = row, counted
+  return ids_BxT, mask_BxT
+
+
 def encode_answers(tok, answers: Sequence[str], max_len: int) -> tuple[np.ndarray, np.ndarray]:
   """Canonical answer ids (plain, no EOS), cut to max_len (A), right-padded with pad_id:
   (ids_BxA int32, lens_B int32). An exact-match reward compares responses against these."""

@@ -64,8 +64,11 @@ def iterate(run: Run, start: int, stop: int, *, ref_params=None, on_metrics=None
   pending = None
   last = time.perf_counter()
   step = start
+  rollout_fn = rollout_step
+  if run.cfg.multiturn.env:  # episodes with an environment between the model's turns
+    from gspo_jax.multiturn.rollout import episode_rollout_step as rollout_fn
   for it in range(start, stop):
-    r = rollout_step(run, run.state.params, run.state.key, it, ref_params, log=_log)
+    r = rollout_fn(run, run.state.params, run.state.key, it, ref_params, log=_log)
     run.state, update_metrics = run.programs.update(run.state, r.batch, r.rewards_BxG)
     if pending is not None and on_metrics is not None:
       on_metrics(*_fetch(*pending))

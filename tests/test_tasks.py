@@ -26,10 +26,10 @@ def _parse(prompt):
 
 
 def test_registry():
-  assert set(TASKS) == {"addition", "multiplication", "chain"}
+  assert set(TASKS) == {"addition", "multiplication", "chain", "tool_multiplication"}
   task = make_task("multiplication", digits=3)
   assert isinstance(task, Multiplication) and task.digits == 3 and task.name == "multiplication"
-  names = r"\('addition', 'multiplication', 'chain'\)"
+  names = r"\('addition', 'multiplication', 'chain', 'tool_multiplication'\)"
   with pytest.raises(ValueError, match=r"make_task: name must be one of " + names):
     make_task("division")
 

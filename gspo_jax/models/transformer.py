@@ -265,6 +265,12 @@ class Transformer(nnx.Module):
     Each step reads the whole response cache it is given (T slots, masked to the written
     ones): a sampler sizes the cache to the filled prefix (`KVCache.grow`). The cache is
     updated in place; the two layer layouts need different orders for XLA to see that.
+
+    `cache.index` is a scalar (every response at the same slot: the group sampler) or an
+    int32 (B, G) array, one slot per response (the multi-turn sampler, whose responses
+    pause for observations at different lengths): each row then writes and attends up to
+    its own slot. Either way the index advances by one for every row; a caller that holds
+    rows back resets theirs.
     """
     B, G = tokens_BxG.shape
     T = cache.v[0].shape[-2]
@@ -278,6 +284,10 @@ class Transformer(nnx.Module):
                                     for a in range(x.ndim))
     put = lambda buf, x, slot_axis: jax.lax.dynamic_update_slice(
         buf, x.astype(buf.dtype), at(buf, slot_axis))
+    index = cache.index
+    if index.ndim:  # one slot per response: (B, G, 1, 1) against the (B, G, S, K) masks
+      index = index[:, :, None, None]
+      put = lambda buf, x, slot_axis: _put_rows(buf, x, cache.index, slot_axis)
 
     def layer_fn(graphdef, params, x, k_buf, v_buf, prefix_k, prefix_v, write_first):
       layer = nnx.merge(graphdef, params)
@@ -285,10 +295,10 @@ class Transformer(nnx.Module):
       group = lambda a: a.reshape(B, G, *a.shape[1:])               # (B, G, 1, C, H)
       if write_first:  # slot `index` of the caches, then attend to it
         k_buf, v_buf = put(k_buf, key_slot(group(k)), -1), put(v_buf, value_slot(group(v)), -2)
-        own, new = (k_buf, v_buf, slots <= cache.index), None
+        own, new = (k_buf, v_buf, slots <= index), None
       else:  # attend to the slots before `index` and to this token's keys; the caller writes
         stored = lambda a: group(a).astype(k_buf.dtype)  # rounded as the cache will hold it
-        own, new = (k_buf, v_buf, slots < cache.index), (stored(k), stored(v), True)
+        own, new = (k_buf, v_buf, slots < index), (stored(k), stored(v), True)
       o = attend(q.reshape(B, G, 1, *q.shape[2:]), shared=(prefix_k, prefix_v, prefix_mask),
                  own=own, new=new, heads_first=True)
       x = x + layer.attn.out(o.reshape(B * G, 1, *o.shape[3:])).astype(x.dtype)
@@ -328,6 +338,19 @@ class Transformer(nnx.Module):
     if replay is not None and len(replay) != self.cfg.num_moe_layers:
       raise ValueError(f"replay must hold one (B, S, K) index array per MoE layer "
                        f"({self.cfg.num_moe_layers}); got {len(replay)}")
+
+
+def _put_rows(buf: Array, x: Array, index_BxG: Array, slot_axis: int) -> Array:
+  """`buf` with one token's keys or values `x` (slot axis of size 1) written at each row's
+  own slot `index_BxG`: a select over the slots (a scatter would copy the cache on CPU).
+  buf: (..., B, G, C, H, T) or (..., B, G, C, T, H) with an optional leading layers axis."""
+  T = buf.shape[slot_axis]
+  hit_BxGxT = jnp.arange(T)[None, None] == index_BxG[..., None]
+  shape = [1] * buf.ndim
+  lead = buf.ndim - 5
+  shape[lead], shape[lead + 1], shape[buf.ndim + slot_axis] = buf.shape[lead:lead + 2] + (T,)
+  hit = hit_BxGxT.reshape(shape)
+  return jnp.where(hit, x.astype(buf.dtype), buf)
 
 
 def create(cfg: ModelConfig, seed: int = 0) -> Transformer:

@@ -18,9 +18,10 @@ from gspo_jax.tasks.arithmetic import Addition, BinaryArithmetic, Multiplication
 from gspo_jax.tasks.base import SPLITS, Example, Task
 from gspo_jax.tasks.chain import Chain
 from gspo_jax.tasks.dataset import DataConfig, DatasetTask, examples_from_file
+from gspo_jax.tasks.tools import ToolMultiplication
 
 TASKS: dict[str, type[Task]] = {"addition": Addition, "multiplication": Multiplication,
-                                "chain": Chain}
+                                "chain": Chain, "tool_multiplication": ToolMultiplication}
 
 
 def make_task(name: str, **kwargs) -> Task:
@@ -33,5 +34,5 @@ def make_task(name: str, **kwargs) -> Task:
 
 __all__ = [
     "SPLITS", "TASKS", "Addition", "BinaryArithmetic", "Chain", "DataConfig", "DatasetTask", "Example",
-    "Multiplication", "Task", "examples_from_file", "make_task",
+    "Multiplication", "Task", "ToolMultiplication", "examples_from_file", "make_task",
 ]

@@ -60,6 +60,12 @@ class Task(abc.ABC):
   def demonstration(self, example: Example) -> str:
     """The ideal completion text for `example`."""
 
+  def demonstration_segments(self, example: Example) -> list[tuple[str, bool]]:
+    """The demonstration as (text, is_observation) segments, for multi-turn tasks whose
+    demonstrations hold an environment's observations (not trained on in the cold start).
+    Single-turn tasks: one model segment, `demonstration(example)`."""
+    return [(self.demonstration(example), False)]
+
   @abc.abstractmethod
   def is_correct(self, example: Example, completion: str) -> bool:
     """True when `completion` states the right answer (the accuracy metric)."""
