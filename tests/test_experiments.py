@@ -65,6 +65,21 @@ def test_long_task_configs_of_the_other_experiments():
   bf16 = load("precision_training").config("gspo_sampler", 0, False, 7, "long")
   assert bf16.task == "chain" and bf16.old_logp == "sampler" and bf16.iterations == 7
   assert bf16.rollout.sampler_dtype == "bfloat16" and bf16.length_clip_metrics
+  # The opt-in variants: TIS against the bf16 sampler (pi_old recomputed), and replaying
+  # pi_old's vs the bf16 sampler's own expert choices.
+  tis = load("precision_training").config("grpo_corrected", 0, False, None, "long")
+  assert tis.old_logp == "recompute" and tis.rollout.sampler_dtype == "bfloat16"
+  assert (tis.rollout_correction.level, tis.rollout_correction.mode,
+          tis.rollout_correction.threshold) == ("token", "truncate", 2.0)
+  for variant, routing in (("grpo_replay_bf16", "replay"), ("grpo_r3_bf16", "rollout_replay")):
+    cfg = load("routing_replay").config(variant, 0, False, None, None, "long")
+    assert cfg.routing == routing and cfg.rollout.sampler_dtype == "bfloat16"
+  assert load("routing_replay").config("grpo_replay", 0, False, None, None,
+                                       "long").rollout.sampler_dtype == ""
+  # Every objective is a --losses choice; the default comparison stays GSPO vs GRPO.
+  g = load("gspo_vs_grpo")
+  assert {"sapo", "cispo", "gmpo", "luspo"} <= set(g.LOSSES + g.AFTER_GSPO)
+  assert g.config("cispo", 0, False, None, "long").loss_kwargs()["eps_high"] == 4.0
 
 
 def test_iteration_flops_by_hand():
