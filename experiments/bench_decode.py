@@ -38,18 +38,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments import bench_long
+
 VARIANTS = ("baseline", "phased", "one_phase", "bf16_cache")
 
 
 def add_parser(sub) -> None:
   p = sub.add_parser("decode", help="time per decode step vs new tokens, against a baseline")
   p.add_argument("--new-tokens", type=int, nargs="+", default=[64, 256, 1024])
-  p.add_argument("--prompts", type=int, default=8)
-  p.add_argument("--group", type=int, default=4)
-  p.add_argument("--prompt-len", type=int, default=32)
-  p.add_argument("--width", type=int, default=256)
-  p.add_argument("--layers", type=int, default=2)
-  p.add_argument("--vocab", type=int, default=4096)
+  bench_long.add_shape_args(p)
   p.add_argument("--scan", action="store_true", help="ModelConfig.scan_layers=True")
   p.add_argument("--baseline", default="8ccb752",
                  help="commit whose sampler to compare with ('' = none)")

@@ -33,15 +33,21 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def add_parser(sub) -> None:
-  p = sub.add_parser("long", help="sampler and update step at long response lengths")
-  p.add_argument("--new-tokens", type=int, nargs="+", default=[256, 512, 1024])
+def add_shape_args(p) -> None:
+  """The decode benchmarks' shape (`long` and `decode`): B prompts of P tokens x G, the
+  tiny model's width, layers and vocabulary."""
   p.add_argument("--prompts", type=int, default=8)
   p.add_argument("--group", type=int, default=4)
   p.add_argument("--prompt-len", type=int, default=32)
   p.add_argument("--width", type=int, default=256)
   p.add_argument("--layers", type=int, default=2)
   p.add_argument("--vocab", type=int, default=4096)
+
+
+def add_parser(sub) -> None:
+  p = sub.add_parser("long", help="sampler and update step at long response lengths")
+  p.add_argument("--new-tokens", type=int, nargs="+", default=[256, 512, 1024])
+  add_shape_args(p)
   p.add_argument("--stop-frac", type=float, default=0.25,
                  help="varying lengths: mean response length ~ this fraction of T")
   p.add_argument("--rows", type=int, default=16, help="rows of the update's minibatch")
