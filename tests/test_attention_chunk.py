@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gspo_jax import step, teacher_forcing
+from gspo_jax import configlib, step, teacher_forcing
 from gspo_jax.config import RolloutConfig, TrainConfig
 from gspo_jax.models import config, transformer
 from gspo_jax.models.attention import attend
@@ -150,3 +150,17 @@ def test_update_step_holds_less_memory_with_chunks():
 def test_bad_chunk_is_refused_naming_the_field(bad):
   with pytest.raises(ValueError, match="ModelConfig.attention_chunk must be a non-negative int"):
     config.tiny(attention_chunk=bad)
+
+
+def test_chunk_round_trips_through_overrides_and_json(tmp_path):
+  cfg = configlib.apply_overrides(TrainConfig(), ["model.attention_chunk=128"])
+  assert cfg.model.attention_chunk == 128
+  path = str(tmp_path / "config.json")
+  configlib.save_json(cfg, path)
+  assert configlib.load_json(TrainConfig, path) == cfg
+  # A config written before the field existed loads with chunking off.
+  old = configlib.to_dict(TrainConfig())
+  del old["model"]["attention_chunk"]
+  assert configlib.from_dict(TrainConfig, old).model.attention_chunk == 0
+  with pytest.raises(configlib.ConfigError, match="ModelConfig.attention_chunk"):
+    configlib.apply_overrides(TrainConfig(), ["model.attention_chunk=-3"])

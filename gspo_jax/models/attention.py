@@ -142,15 +142,16 @@ def attend_chunked(q_BxGxSxNxH: Array, n: int, *, shared: Segment | None = None,
   Row s of the output is o_s = sum_k softmax_k(q_s . k_k / sqrt(H) + mask_sk) v_k, which
   reads query s and mask row s only: each query's softmax is independent of the others, so
   splitting S into chunks changes no result beyond float32 summation order inside XLA's
-  matmuls (same formula, same float32 softmax per row). S is padded with zero queries and
-  all-False mask rows up to a multiple of n (a fully masked row is finite, see `attend`);
-  their outputs are dropped, so they add nothing to the value or the gradient.
+  matmuls (same formula, same float32 softmax per row). S is padded up to a multiple of n
+  with zero queries (and all-False rows of masks that have an S axis; a fully masked row
+  is finite, see `attend`); their outputs are dropped, so they add nothing to the value or
+  the gradient.
 
   The chunks run one after another (`jax.lax.map`), each under `jax.checkpoint`: the
   backward recomputes a chunk's scores and probabilities from its queries instead of
   storing them for every chunk, so at any time one chunk's (B, G, C, R, n, K) float32
-  scores are live rather than (B, G, C, R, S, K). Keys, values and masks with S-dimension
-  1 are read whole by every chunk; masks with an S-dimension are sliced per chunk.
+  scores are live rather than (B, G, C, R, S, K). Every chunk reads all keys and values,
+  and masks whose S-dimension is 1 whole; masks with an S axis are sliced per chunk.
   """
   B, G, S, N, H = q_BxGxSxNxH.shape
   J = -(-S // n)                       # chunks
