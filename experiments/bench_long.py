@@ -15,8 +15,9 @@ Compact: the varying-lengths sampler with live-row compaction off and on
 alternately (off, on, off, on, ...) in this process: the on/off ratio of the medians, and
 whether the two rollouts agree (same tokens; largest log-prob difference).
 Update: one update step (`step.update`, one minibatch of --rows rows of P + T tokens, lean
-log-probs as always in teacher forcing) at each T and remat mode: seconds and XLA's memory
-analysis of the compiled program (temporaries, arguments, outputs; peak ~ temp + args +
+log-probs as always in teacher forcing) at each T, remat mode and --attention-chunk
+(`ModelConfig.attention_chunk`; 0 = off): seconds and XLA's memory analysis of the compiled
+program (temporaries, arguments, outputs; peak ~ temp + args +
 outputs not aliased to the donated state).
 
 Each figure is measured in this process on the same inputs; rerun on a quiet machine
@@ -52,6 +53,8 @@ def add_parser(sub) -> None:
                  help="varying lengths: mean response length ~ this fraction of T")
   p.add_argument("--rows", type=int, default=16, help="rows of the update's minibatch")
   p.add_argument("--remat", nargs="+", default=["none", "full"], choices=("none", "full", "dots"))
+  p.add_argument("--attention-chunk", type=int, nargs="+", default=[0],
+                 help="update: ModelConfig.attention_chunk values (0 = off) at each T and remat")
   p.add_argument("--parts", nargs="+", default=["sampler", "update"],
                  choices=("sampler", "update", "compact"))
   p.add_argument("--compact-rows", type=int, default=2,
@@ -149,9 +152,9 @@ def compact_row(args, T: int) -> dict:
           "max_logp_diff": float(np.abs(np.asarray(a.logp_BxGxT) - np.asarray(b.logp_BxGxT)).max())}
 
 
-def update_row(args, T: int, remat: str) -> dict:
+def update_row(args, T: int, remat: str, attention_chunk: int = 0) -> dict:
   from experiments.benchmark import _update_program, timed, update_flops
-  mcfg = dataclasses.replace(_model(args, T), remat=remat)
+  mcfg = dataclasses.replace(_model(args, T), remat=remat, attention_chunk=attention_chunk)
   step, state, inputs = _update_program(mcfg, args.rows, args.prompt_len, T)
   t0 = time.perf_counter()
   compiled = step.lower(state, *inputs).compile()
@@ -165,7 +168,7 @@ def update_row(args, T: int, remat: str) -> dict:
 
   sec = timed(once, repeats=args.repeats)
   flops = update_flops(mcfg, args.rows, args.prompt_len, T)["step"]
-  return {"T": T, "remat": remat, "seconds": sec, "compile_seconds": compile_s,
+  return {"T": T, "remat": remat, "attention_chunk": attention_chunk, "seconds": sec, "compile_seconds": compile_s,
           "model_gflops_per_s": flops / sec / 1e9,
           "temp_bytes": mem.temp_size_in_bytes, "argument_bytes": mem.argument_size_in_bytes,
           "output_bytes": mem.output_size_in_bytes, "alias_bytes": mem.alias_size_in_bytes,
@@ -201,13 +204,15 @@ def bench_long(args) -> dict:
             f"{str(r['same_tokens'] and r['same_steps']):>5} {r['max_logp_diff']:10.2e}",
             flush=True)
   if "update" in args.parts:
-    print(f"{'T':>5} {'remat':6} {'step s':>8} {'GFLOP/s':>8} {'temp MiB':>9} "
+    print(f"{'T':>5} {'remat':6} {'chunk':>5} {'step s':>8} {'GFLOP/s':>8} {'temp MiB':>9} "
           f"{'peak MiB':>9} {'compile s':>10}")
     for T in args.new_tokens:
       for remat in args.remat:
-        r = update_row(args, T, remat)
-        out["update"].append(r)
-        print(f"{T:5d} {remat:6} {r['seconds']:8.3f} {r['model_gflops_per_s']:8.1f} "
-              f"{r['temp_bytes'] / 2**20:9.1f} {r['peak_bytes_estimate'] / 2**20:9.1f} "
-              f"{r['compile_seconds']:10.2f}", flush=True)
+        for chunk in args.attention_chunk:
+          r = update_row(args, T, remat, chunk)
+          out["update"].append(r)
+          print(f"{T:5d} {remat:6} {chunk:5d} {r['seconds']:8.3f} "
+                f"{r['model_gflops_per_s']:8.1f} {r['temp_bytes'] / 2**20:9.1f} "
+                f"{r['peak_bytes_estimate'] / 2**20:9.1f} {r['compile_seconds']:10.2f}",
+                flush=True)
   return out

@@ -35,7 +35,7 @@ def test_benchmark_compile_runs(tmp_path, monkeypatch):
 def test_benchmark_long_runs(tmp_path, monkeypatch):
   argv = ["benchmark.py", "--out", str(tmp_path), "long", "--new-tokens", "12", "--width", "16",
           "--vocab", "32", "--prompts", "2", "--group", "2", "--prompt-len", "4", "--rows", "2",
-          "--remat", "none", "--repeats", "1"]
+          "--remat", "none", "--attention-chunk", "0", "8", "--repeats", "1"]
   monkeypatch.setattr(sys, "argv", argv)
   runpy.run_path(os.path.join(ROOT, "experiments", "benchmark.py"), run_name="__main__")
   result = json.load(open(tmp_path / "benchmark_long.json"))["result"]
@@ -46,8 +46,9 @@ def test_benchmark_long_runs(tmp_path, monkeypatch):
     assert r["token_positions_computed"] == 2 * 2 * r["steps"] >= r["tokens_kept"] > 0
     assert r["wasted_frac"] == 1 - r["tokens_kept"] / r["token_positions_computed"]
     assert r["length_max"] == r["steps"] <= 12
-  (update,) = result["update"]
-  assert update["T"] == 12 and update["temp_bytes"] > 0 and update["seconds"] > 0
+  assert [u["attention_chunk"] for u in result["update"]] == [0, 8]  # S = 4 + 12: 2 chunks
+  for update in result["update"]:
+    assert update["T"] == 12 and update["temp_bytes"] > 0 and update["seconds"] > 0
 
 
 def test_device_check_runs_at_tiny_size(tmp_path):

@@ -10,6 +10,10 @@ softmaxed together (in float32), which is exactly attention over their concatena
 The KV cache keeps its keys heads-first instead, (B, C, K, H) and (B, G, C, H, K)
 (`heads_first=True`): reads over the cache then take it in place, where the time-first
 layout made XLA copy the whole growing cache twice per layer and decode step.
+
+Teacher forcing (S > 1) can process queries `query_chunk` = n at a time (`attend_chunked`):
+the scores then live as (B, G, C, R, n, K) per chunk instead of (B, G, C, R, S, K), in the
+forward and, recomputed per chunk, in the backward.
 """
 
 from __future__ import annotations
@@ -80,7 +84,7 @@ def _values(p_BxGxCxRxSxK: Array, v: Array, spec: str, reduce: bool) -> Array:
 
 def attend(q_BxGxSxNxH: Array, *, shared: Segment | None = None,
            own: Segment | None = None, new: Segment | None = None,
-           heads_first: bool = False) -> Array:
+           heads_first: bool = False, query_chunk: int = 0) -> Array:
   """softmax(q k^T / sqrt(H) + mask) v over the shared, own and new key segments.
 
   Args:
@@ -96,9 +100,14 @@ def attend(q_BxGxSxNxH: Array, *, shared: Segment | None = None,
       matmul: per step that is a matrix-vector product, memory-bound on every backend, and
       XLA:CPU ran it as a (K x H) @ (H x R) matmul at a fraction of the speed. Keys with K
       minor reduce over H across contiguous key slots (`benchmark.py decode` measures it).
+    query_chunk: n > 0 runs the queries n positions at a time (`attend_chunked`) when
+      S > n; 0 = all at once.
   Returns:
     o_BxGxSxNxH in the query dtype.
   """
+  if 0 < query_chunk < q_BxGxSxNxH.shape[2]:
+    return attend_chunked(q_BxGxSxNxH, query_chunk, shared=shared, own=own, new=new,
+                          heads_first=heads_first)
   B, G, S, N, H = q_BxGxSxNxH.shape
   C = (shared or own)[0].shape[-3 if heads_first else -2]
   q = q_BxGxSxNxH.reshape(B, G, S, C, N // C, H) * (H ** -0.5)
@@ -123,3 +132,55 @@ def attend(q_BxGxSxNxH: Array, *, shared: Segment | None = None,
     out = out + _values(p[..., start:start + K], v, spec, reduce)
     start += K
   return out.reshape(B, G, S, N, H)
+
+
+def attend_chunked(q_BxGxSxNxH: Array, n: int, *, shared: Segment | None = None,
+                   own: Segment | None = None, new: Segment | None = None,
+                   heads_first: bool = False) -> Array:
+  """`attend` over the queries n positions at a time: the same function, less memory.
+
+  Row s of the output is o_s = sum_k softmax_k(q_s . k_k / sqrt(H) + mask_sk) v_k, which
+  reads query s and mask row s only: each query's softmax is independent of the others, so
+  splitting S into chunks changes no result beyond float32 summation order inside XLA's
+  matmuls (same formula, same float32 softmax per row). S is padded up to a multiple of n
+  with zero queries (and all-False rows of masks that have an S axis; a fully masked row
+  is finite, see `attend`); their outputs are dropped, so they add nothing to the value or
+  the gradient.
+
+  The chunks run one after another (`jax.lax.map`), each under `jax.checkpoint`: the
+  backward recomputes a chunk's scores and probabilities from its queries instead of
+  storing them for every chunk, so at any time one chunk's (B, G, C, R, n, K) float32
+  scores are live rather than (B, G, C, R, S, K). Every chunk reads all keys and values,
+  and masks whose S-dimension is 1 whole; masks with an S axis are sliced per chunk.
+  """
+  B, G, S, N, H = q_BxGxSxNxH.shape
+  J = -(-S // n)                       # chunks
+  pad = J * n - S
+
+  def split(x: Array, axis: int) -> Array:
+    """x with its S axis (`axis`) padded to J * n and split into (J, ..., n, ...)."""
+    x = jnp.pad(x, [(0, pad) if a == axis else (0, 0) for a in range(x.ndim)])
+    x = x.reshape(x.shape[:axis] + (J, n) + x.shape[axis + 1:])
+    return jnp.moveaxis(x, axis, 0)
+
+  segments = {"shared": shared, "own": own, "new": new}
+  masks, sliced = {}, {}
+  for name, seg in segments.items():
+    if seg is None:
+      continue
+    mask = jnp.asarray(seg[2], bool)
+    mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)  # (B|1, G|1, S|1, K|1)
+    sliced[name] = mask.shape[2] != 1
+    masks[name] = split(mask, 2) if sliced[name] else mask  # padded rows: all False
+
+  def chunk(q_BxGxnxNxH, chunk_masks):
+    segs = {name: (seg[0], seg[1], chunk_masks[name] if sliced[name] else masks[name])
+            for name, seg in segments.items() if seg is not None}
+    return attend(q_BxGxnxNxH, heads_first=heads_first, **segs)
+
+  # prevent_cse=False: inside a scan the recomputation cannot be merged away (jax docs).
+  o_JxBxGxnxNxH = jax.lax.map(
+      lambda xs: jax.checkpoint(chunk, prevent_cse=False)(*xs),
+      (split(q_BxGxSxNxH, 2), {name: m for name, m in masks.items() if sliced[name]}))
+  o = jnp.moveaxis(o_JxBxGxnxNxH, 0, 2).reshape(B, G, J * n, N, H)
+  return o[:, :, :S]

@@ -44,6 +44,9 @@ class ModelConfig:
   # Execution only (same function, same parameters up to layout):
   scan_layers: bool = False   # one lax.scan over layers stacked on a leading `layers` axis
   remat: str = "none"         # backward pass: "full" recomputes each layer, "dots" keeps matmuls
+  # Teacher-forcing attention over n query positions at a time, each chunk recomputed in the
+  # backward: (n x K) scores live instead of (S x K). 0 = all queries at once.
+  attention_chunk: int = 0
 
   def __post_init__(self):
     for name in ("vocab_size", "hidden", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -74,6 +77,10 @@ class ModelConfig:
                          f"got {self.moe_layers}")
     if self.remat not in REMATS:
       raise ValueError(f"ModelConfig.remat must be one of {REMATS}; got {self.remat!r}")
+    if not (isinstance(self.attention_chunk, int) and not isinstance(self.attention_chunk, bool)
+            and self.attention_chunk >= 0):
+      raise ValueError(f"ModelConfig.attention_chunk must be a non-negative int (0 = off); "
+                       f"got {self.attention_chunk!r}")
     if self.scan_layers and 0 < self.num_moe_layers < self.num_layers:
       raise ValueError("ModelConfig.scan_layers needs every layer alike: set moe_layers=None "
                        f"(all MoE) or scan_layers=False; got moe_layers={self.moe_layers}")

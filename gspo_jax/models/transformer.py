@@ -9,7 +9,9 @@ norm and the unembedding (the embedding table transposed when tied).
 With `cfg.scan_layers` the L blocks are one Block whose parameters carry a leading
 `layers` axis, and both entry points run a `jax.lax.scan` over it: the compiled program
 holds one layer, so compile time no longer grows with depth. Same seed, same weights.
-`cfg.remat` wraps each layer in `jax.checkpoint` (see `REMAT_POLICIES`).
+`cfg.remat` wraps each layer in `jax.checkpoint` (see `REMAT_POLICIES`);
+`cfg.attention_chunk` runs the attention of both (S > 1) entry points over query chunks
+(`attention.attend_chunked`; decode has one query and never chunks).
 
 Two entry points share the weights:
   * `__call__(tokens_BxS, positions_BxS, valid_BxS)`: full causal forward (training,
@@ -185,7 +187,8 @@ class Transformer(nnx.Module):
       """One block as a pure function of its parameters (what scan and remat need)."""
       layer = nnx.merge(graphdef, params)
       q, k, v = layer.attn.qkv(layer.attn_norm(x), positions_BxS)
-      o = attend(q[:, None], own=(k[:, None], v[:, None], mask_BxGxSxS))[:, 0]
+      o = attend(q[:, None], own=(k[:, None], v[:, None], mask_BxGxSxS),
+                 query_chunk=self.cfg.attention_chunk)[:, 0]
       x = x + layer.attn.out(o).astype(x.dtype)
       x, idx, aux = layer.feed_forward(x, valid, replay_BxSxK)
       return x, (k, v, idx, aux)
@@ -223,7 +226,7 @@ class Transformer(nnx.Module):
       q, k, v = layer.attn.qkv(layer.attn_norm(x), pos)
       group = lambda a: a.reshape(B, G, T, *a.shape[2:])
       o = attend(group(q), shared=(prefix_k, prefix_v, prefix_mask),
-                 own=(group(k), group(v), own_mask))
+                 own=(group(k), group(v), own_mask), query_chunk=self.cfg.attention_chunk)
       x = x + layer.attn.out(o.reshape(B * G, T, *o.shape[3:])).astype(x.dtype)
       x, idx, aux = layer.feed_forward(x, valid, replay_BxSxK)
       return x, (k, v, idx, aux)
