@@ -17,6 +17,7 @@ from flax import nnx
 
 from gspo_jax import checkpoint, configlib, rng, sharding, text
 from gspo_jax.config import TrainConfig, check_positions, check_routing
+from gspo_jax.models.config import EXECUTION_FIELDS
 from gspo_jax.programs import (Layout, Programs, batch_moe_layers, check_layout, make_layout,
                                make_programs)
 from gspo_jax.step import TrainState, make_optimizer, sft_optimizer
@@ -145,7 +146,10 @@ def setup(cfg: TrainConfig, run_dir: str) -> Run:
     check_prompts(task, tok, cfg)  # before loading the weights
     check_fits(task, tok, cfg)
     check_positions(hf.config_from_hf(hf.read_config(cfg.pretrained)), cfg.rollout)
-    model = hf.load(cfg.pretrained, mesh=mesh, param_dtype=cfg.pretrained_dtype or None)
+    # The checkpoint fixes the architecture; how it runs (remat, ...) is the user's `model`.
+    execution = {name: getattr(cfg.model, name) for name in EXECUTION_FIELDS}
+    model = hf.load(cfg.pretrained, mesh=mesh, param_dtype=cfg.pretrained_dtype or None,
+                    execution=execution)
     cfg = dataclasses.replace(cfg, model=model.cfg)
     check_routing(cfg)
   else:

@@ -1,6 +1,7 @@
 """tokenizer.json tokenizers (built here with the `tokenizers` package: no downloads) and
 the generate command on an exported model directory."""
 
+import dataclasses
 import json
 import os
 
@@ -118,18 +119,30 @@ def test_generate_command_matches_the_sampler(model_dir, capsys):
     text.encode_prompts(tok, [""])
 
 
+def test_a_pretrained_model_runs_with_the_users_execution_settings(model_dir):
+  stored = hf.load(str(model_dir)).cfg
+  run_as = hf.load(str(model_dir), execution=dict(remat="dots", attention_chunk=8)).cfg
+  assert run_as == dataclasses.replace(stored, remat="dots", attention_chunk=8)
+  with pytest.raises(ValueError, match=r"execution takes .*\['hidden'\]"):
+    hf.load(str(model_dir), execution=dict(hidden=8))
+  with pytest.raises(ValueError, match="model.scan_layers=True with pretrained"):
+    C.TrainConfig(pretrained=str(model_dir), model=config.tiny(vocab_size=32, scan_layers=True))
+
+
 def test_training_starts_from_a_pretrained_directory(model_dir, tmp_path):
   from gspo_jax import sharding
   from gspo_jax import train as T
   cfg = C.TrainConfig(
-      pretrained=str(model_dir), model=config.tiny(vocab_size=32),  # replaced by the checkpoint's
+      # The architecture is replaced by the checkpoint's; how it runs is kept.
+      pretrained=str(model_dir), model=config.tiny(vocab_size=32, attention_chunk=4),
       rollout=C.RolloutConfig(prompts_per_iter=2, group_size=2, max_new_tokens=4,
                               max_prompt_len=8),
       sft=C.SFTConfig(steps=2, batch_size=4), iterations=1, eval_every=0, eval_size=4,
       num_minibatches=1, mesh=sharding.MeshConfig(num_devices=1))
   T.train(cfg, str(tmp_path / "run"), progress=False)
   saved = configlib.load_json(C.TrainConfig, str(tmp_path / "run" / "config.json"))
-  assert saved.model == hf.load(str(model_dir)).cfg and saved.pretrained == str(model_dir)
+  assert saved.model == dataclasses.replace(hf.load(str(model_dir)).cfg, attention_chunk=4)
+  assert saved.pretrained == str(model_dir)
   assert (tmp_path / "run" / "metrics.jsonl").read_text().count("\n") == 1
   assert not (tmp_path / "run" / "tokenizer.model").exists()  # the model's own tokenizer
   run = R.load_run(str(tmp_path / "run"))

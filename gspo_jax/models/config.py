@@ -8,6 +8,9 @@ import jax.numpy as jnp
 
 DISPATCHES = ("dense", "ragged")
 REMATS = ("none", "full", "dots")
+# How the model runs, not what it computes: a pretrained run takes these from the user's
+# `model` and everything else from the checkpoint (`run.setup`).
+EXECUTION_FIELDS = ("remat", "attention_chunk", "moe_dispatch")
 
 
 @dataclasses.dataclass(frozen=True)

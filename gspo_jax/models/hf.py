@@ -24,6 +24,7 @@ one tensor at a time, so a checkpoint is never held whole on one host.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Any, Callable, Iterator
@@ -35,7 +36,7 @@ from flax import nnx
 
 from gspo_jax import sharding as sharding_lib
 from gspo_jax.models import safetensors_io
-from gspo_jax.models.config import ModelConfig
+from gspo_jax.models.config import EXECUTION_FIELDS, ModelConfig
 from gspo_jax.models.transformer import Transformer
 
 ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -180,7 +181,7 @@ def read_config(directory: str) -> dict:
 
 
 def load(directory: str, *, mesh=None, param_dtype: str | None = None,
-         dtype: str | None = None) -> Transformer:
+         dtype: str | None = None, execution: dict[str, Any] | None = None) -> Transformer:
   """Our Transformer with the weights of a Hugging Face directory.
 
   Args:
@@ -188,9 +189,15 @@ def load(directory: str, *, mesh=None, param_dtype: str | None = None,
     mesh: place each parameter directly in its sharding (`sharding.PARAM_RULES`); None =
       the default device.
     param_dtype, dtype: override the stored dtype (bf16 checkpoints stay bf16 by default).
+    execution: values of `config.EXECUTION_FIELDS` (remat, attention_chunk, moe_dispatch) to
+      run the model with; they change no parameter.
   """
   cfg = config_from_hf(read_config(directory), param_dtype=param_dtype, dtype=dtype,
                        source=os.path.join(directory, "config.json"))
+  unknown = set(execution or {}) - set(EXECUTION_FIELDS)
+  if unknown:
+    raise ValueError(f"hf.load: execution takes {EXECUTION_FIELDS}; got {sorted(unknown)}")
+  cfg = dataclasses.replace(cfg, **(execution or {}))
   ckpt = safetensors_io.Checkpoint(directory)
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
   targets = (sharding_lib.param_shardings(abstract, mesh) if mesh is not None else None)
