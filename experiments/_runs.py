@@ -44,13 +44,13 @@ def base_config(task: str, quick: bool) -> TrainConfig:
   if task == "addition":
     return dataclasses.replace(
         cfg, rollout=dataclasses.replace(cfg.rollout, prompts_per_iter=8),
-        sft=dataclasses.replace(cfg.sft, steps=20, target_accuracy=0.0, batch_size=16),
+        sft=dataclasses.replace(cfg.sft, steps=5, target_accuracy=0.0, batch_size=16),
         iterations=6, eval_every=3, eval_size=16)
   return dataclasses.replace(
       cfg, task_steps=5,
       rollout=dataclasses.replace(cfg.rollout, prompts_per_iter=8, group_size=4,
                                   max_new_tokens=60, max_prompt_len=24),
-      sft=dataclasses.replace(cfg.sft, steps=20, batch_size=16, target_accuracy=0.0),
+      sft=dataclasses.replace(cfg.sft, steps=5, batch_size=16, target_accuracy=0.0),
       iterations=6, eval_every=3, eval_size=16)
 
 
