@@ -39,11 +39,14 @@ LOSSES = ("gspo", "grpo")
 
 def config(quick: bool, lr: float) -> TrainConfig:
   cfg = configlib.load_config(os.path.join(ROOT, "configs", "addition_tiny.py"))
+  # --quick: a 4x narrower model, small batches (every step runs, nothing is learned).
+  width = dict(hidden=32, moe_mlp_dim=32, num_heads=2, num_kv_heads=1, head_dim=16) if (
+      quick) else dict(hidden=128, moe_mlp_dim=64, num_heads=4, num_kv_heads=2, head_dim=32)
   return dataclasses.replace(
-      cfg, model=tiny_moe(vocab_size=32, hidden=128, num_experts=8, experts_per_token=2,
-                          moe_mlp_dim=64, num_heads=4, num_kv_heads=2, head_dim=32),
-      sft=dataclasses.replace(cfg.sft, steps=20 if quick else 300, target_accuracy=0.0),
-      rollout=dataclasses.replace(cfg.rollout, prompts_per_iter=16 if quick else 64),
+      cfg, model=tiny_moe(vocab_size=32, num_experts=8, experts_per_token=2, **width),
+      sft=dataclasses.replace(cfg.sft, steps=20 if quick else 300, target_accuracy=0.0,
+                              batch_size=16 if quick else cfg.sft.batch_size),
+      rollout=dataclasses.replace(cfg.rollout, prompts_per_iter=8 if quick else 64),
       optim=dataclasses.replace(cfg.optim, learning_rate=lr, warmup_steps=0),
       eps_low=None, eps_high=None, mesh=sharding.MeshConfig(num_devices=1))
 

@@ -57,8 +57,7 @@ def config(variant: str, seed: int, quick: bool, iterations: int | None, lr: flo
   loss, routing = VARIANTS[variant]
   cfg = _runs.base_config(task, quick)
   width = dict(hidden=32, num_heads=2, num_kv_heads=1, head_dim=16, moe_mlp_dim=32) if (
-      quick and task == "long") else dict(hidden=128, num_heads=4, num_kv_heads=2, head_dim=32,
-                                          moe_mlp_dim=64)
+      quick) else dict(hidden=128, num_heads=4, num_kv_heads=2, head_dim=32, moe_mlp_dim=64)
   cfg = dataclasses.replace(
       cfg, model=tiny_moe(vocab_size=cfg.model.vocab_size, num_experts=8, experts_per_token=2,
                           **width),

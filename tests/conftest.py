@@ -25,6 +25,12 @@ _default_xla_flag("xla_backend_optimization_level", 0)
 if metadata.version("jaxlib").startswith("0.10."):
   _default_xla_flag("xla_cpu_use_fusion_emitters", "false")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Persistent compilation cache: reruns of the suite skip most XLA compiles. Set in the
+# environment too, so the processes the tests start (the command line, fault and
+# two-process tests) read and write the same cache.
+_CACHE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".jax_cache")
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -32,8 +38,6 @@ import pytest  # noqa: E402
 
 # Broadcasting adv_B against logp_BxT by accident is exactly where GRPO/GSPO bugs hide.
 jax.config.update("jax_numpy_rank_promotion", "raise")
-# Persistent compilation cache: reruns of the suite skip most XLA compiles.
-_CACHE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".jax_cache")
 jax.config.update("jax_compilation_cache_dir", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 

@@ -31,11 +31,32 @@ def run(tmp_path_factory):
   return R.setup(moe_cfg(routing="track"), str(tmp_path_factory.mktemp("moe")))
 
 
+@pytest.fixture(scope="module")
+def configured(run):
+  """cfg -> run.reconfigure(cfg), built once per config for the module: a rebuilt update
+  program compiles again (its NaN-reward host callback keeps it out of the persistent
+  compilation cache)."""
+  runs = {run.cfg: run}
+
+  def get(cfg):
+    if cfg not in runs:
+      runs[cfg] = run.reconfigure(cfg)
+    return runs[cfg]
+  return get
+
+
 def rollout(run):
   """(batch, random rewards): an untrained model earns reward 0 everywhere."""
   r = rollout_step(run, run.state.params, run.state.key, 0)
   rewards = np.random.default_rng(0).normal(size=r.rewards_BxG.shape)
   return r.batch, jnp.asarray(rewards, jnp.float32)
+
+
+@pytest.fixture(scope="module")
+def rolled(run):
+  """`rollout(run)` of the module's run, shared by the tests that take one from it (the
+  update does not donate the batch)."""
+  return rollout(run)
 
 
 def forward(run, params, batch, replay=None):
@@ -63,17 +84,17 @@ def test_routing_changed_compares_sets_on_counted_tokens():
       pytest.approx((1 / 4 + 1) / 2)
 
 
-def test_prepare_records_the_old_policy_expert_choices(run):
-  batch, _ = rollout(run)
+def test_prepare_records_the_old_policy_expert_choices(run, rolled):
+  batch, _ = rolled
   assert len(batch.old_experts) == run.cfg.model.num_moe_layers
   _, router = forward(run, run.state.params, batch)
   for got, want in zip(batch.old_experts, router.indices):
     np.testing.assert_array_equal(got, want)
 
 
-def test_track_reports_changed_routing_and_replay_removes_it(run):
+def test_track_reports_changed_routing_and_replay_removes_it(run, configured, rolled):
   state = run.state
-  batch, rewards = rollout(run)
+  batch, rewards = rolled
   new, m = run.programs.update(jax.tree.map(jnp.copy, state), batch, rewards)
   # lr 3e-2: the second minibatch's forward routes some tokens differently from pi_old.
   assert 0.0 < float(m["routing_changed"]) < 1.0
@@ -88,7 +109,7 @@ def test_track_reports_changed_routing_and_replay_removes_it(run):
     np.testing.assert_array_equal(got, want)
   assert float(jnp.max(jnp.abs(forced - replayed) * mask)) > 0
 
-  replay = run.reconfigure(dataclasses.replace(run.cfg, routing="replay"))
+  replay = configured(dataclasses.replace(run.cfg, routing="replay"))
   from gspo_jax.advantages import group_advantages
   mb = step.Minibatch(batch, group_advantages(rewards))
   loss, metrics = step.minibatch_loss(new.params, run.graphdef, mb, replay.cfg)
@@ -103,13 +124,13 @@ def test_track_reports_changed_routing_and_replay_removes_it(run):
   assert float(m2["skipped_updates"]) == 0 and np.isfinite(float(m2["loss"]))
 
 
-def test_replay_at_theta_old_changes_nothing(run):
+def test_replay_at_theta_old_changes_nothing(run, configured, rolled):
   # One minibatch, theta = theta_old: free and replayed routing give the same update.
-  batch, rewards = rollout(run)
+  batch, rewards = rolled
   outs = []
   for mode in ("free", "replay"):
     cfg = dataclasses.replace(run.cfg, routing=mode, num_minibatches=1)
-    r = run.reconfigure(cfg)
+    r = configured(cfg)
     b = batch if mode == "replay" else batch.replace(old_experts=None)
     new, m = r.programs.update(jax.tree.map(jnp.copy, run.state), b, rewards)
     outs.append((jax.tree.leaves(new.params), float(m["loss"]), float(m["ratio_max"])))
@@ -150,11 +171,11 @@ def test_bfloat16_sampler_feeds_its_own_log_probs_as_pi_old(run):
     C.RolloutConfig(sampler_dtype="float16")
 
 
-def test_replayed_update_sharded_equals_single_device(run, tmp_path):
+def test_replayed_update_sharded_equals_single_device(run, configured, rolled, tmp_path):
   # The recorded expert choices travel row-split with the batch: a replayed update on a
   # data=2 x fsdp=2 mesh equals the single-device one.
-  batch, rewards = rollout(run)
-  single = run.reconfigure(dataclasses.replace(run.cfg, routing="replay"))
+  batch, rewards = rolled
+  single = configured(dataclasses.replace(run.cfg, routing="replay"))
   want_state, want_m = single.programs.update(jax.tree.map(jnp.copy, run.state), batch, rewards)
   cfg = dataclasses.replace(single.cfg, mesh=sharding.MeshConfig(data=2, fsdp=2, num_devices=4))
   sharded = R.setup(cfg, str(tmp_path))
@@ -197,7 +218,7 @@ def changed(a, b):
   return np.any(np.sort(np.asarray(a), -1) != np.sort(np.asarray(b), -1), -1)
 
 
-def test_float32_sampler_records_the_trainers_own_choices(run):
+def test_float32_sampler_records_the_trainers_own_choices(run, configured):
   r3 = r3_run(run)
   r = rollout_step(r3, r3.state.params, r3.state.key, 0)
   batch, steps = r.batch, int(r.device_stats["decode_steps"])
@@ -213,7 +234,7 @@ def test_float32_sampler_records_the_trainers_own_choices(run):
   rewards = jnp.asarray(np.random.default_rng(0).normal(size=r.rewards_BxG.shape), jnp.float32)
   outs = []
   for mode, b in (("rollout_replay", batch), ("free", batch.replace(old_experts=None))):
-    one = run.reconfigure(dataclasses.replace(r3.cfg, routing=mode, num_minibatches=1))
+    one = configured(dataclasses.replace(r3.cfg, routing=mode, num_minibatches=1))
     new, m = one.programs.update(jax.tree.map(jnp.copy, run.state), b, rewards)
     outs.append((jax.tree.leaves(new.params), float(m["loss"]), float(m["ratio_max"])))
   assert outs[0][1] == pytest.approx(outs[1][1], rel=1e-6) and outs[0][2] == pytest.approx(1.0)
