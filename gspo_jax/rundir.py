@@ -32,6 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gspo_jax import configlib
+from gspo_jax.models.config import EXECUTION_FIELDS
 
 class RunDirError(ValueError):
   """A start or resume refused before anything in the run directory was written."""
@@ -63,6 +64,9 @@ REFUSED: dict[str, str] = {
     "rollout.oversample": "the data position (step x prompts sampled per iteration)",
     "kl_coef": "the KL reference (saved at step 0 only when kl_coef > 0)",
 }
+# How the model runs, not its parameters (`models.config.EXECUTION_FIELDS`): allowed under
+# the refused "model", so a resume can turn on remat or attention chunks to fit memory.
+EXECUTION = tuple(f"model.{name}" for name in EXECUTION_FIELDS)
 # Changes that are safe: they change neither the state nor what a step means.
 SAFE = ("iterations", "eval_every", "eval_size", "sft", "mesh", "data.slow_reward_s",
         "data.correct_threshold", "data.answer_field")
@@ -97,7 +101,7 @@ def check_resume(saved, requested, log: Callable[[str], None]) -> dict[str, tupl
   """Refuse (ValueError naming each field, its two values and what it fixes) when a field
   in REFUSED differs (RunDirError); log the allowed changes. Returns the allowed changes."""
   diff = config_diff(saved, requested)
-  refused = {k: v for k, v in diff.items() if _under(k, REFUSED)}
+  refused = {k: v for k, v in diff.items() if _under(k, REFUSED) and k not in EXECUTION}
   if refused:
     lines = [f"  {k}: saved {a!r}, requested {b!r} ({REFUSED[_under(k, REFUSED)]})"
              for k, (a, b) in refused.items()]
@@ -105,8 +109,10 @@ def check_resume(saved, requested, log: Callable[[str], None]) -> dict[str, tupl
                      "state means:\n" + "\n".join(lines) + "\nresume with the saved values, "
                      "or start a new --run-dir; nothing in the run directory was changed")
   for k, (a, b) in diff.items():
-    kind = "" if _under(k, SAFE) else (" (changes the trajectory: the resumed run is no "
-                                       "longer an uninterrupted run of either config)")
+    kind = ("" if _under(k, SAFE) else
+            " (the same function run another way: results may differ in float rounding)"
+            if k in EXECUTION else (" (changes the trajectory: the resumed run is no "
+                                    "longer an uninterrupted run of either config)"))
     log(f"resume: {k} changed from {a!r} to {b!r}{kind}")
   return diff
 

@@ -286,9 +286,17 @@ def test_resume_diff_classifies_fields():
       "iterations", "eval_every", "rollout.temperature"}
   assert "changes the trajectory" in [l for l in logs if "temperature" in l][0]
   assert "trajectory" not in [l for l in logs if "iterations" in l][0]
+  # How the model runs may change (e.g. remat to fit memory); its shape may not.
+  execution = T.configlib.apply_overrides(saved, ["model.remat=full", "model.attention_chunk=8"])
+  logs = []
+  assert set(rundir.check_resume(saved, execution, logs.append)) == {
+      "model.remat", "model.attention_chunk"}
+  assert all("float rounding" in l for l in logs)
   for change, what in [("optim.learning_rate=0.5", "optimiser state"),
                        ("seed=3", "data stream"), ("task=multiplication", "task"),
-                       ("rollout.prompts_per_iter=8", "data position")]:
+                       ("rollout.prompts_per_iter=8", "data position"),
+                       ("model.scan_layers=true", "model's shape"),
+                       ("model.hidden=64", "model's shape")]:
     with pytest.raises(rundir.RunDirError, match=what):
       rundir.check_resume(saved, T.configlib.apply_overrides(saved, [change]), print)
   # A pretrained run's model comes from its directory: compared through `pretrained`.
