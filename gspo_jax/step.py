@@ -319,9 +319,7 @@ def update(state: TrainState, batch: Batch, rewards_BxG: Array, *, graphdef, tx,
   become advantages: "overlong" adds DAPO's `lengths.overlong_penalty` of each response's
   length (reported as `overlong_penalty`, its mean; the host's reward metrics stay the
   task's, comparable across truncation modes), and "mask" normalises each group over the
-  rows `prepare` left in the batch (non-empty mask). Rewards are not checked for NaN here
-  (the loop's host scoring refuses them): a non-finite reward is counted in
-  `nonfinite_rewards` and makes its rows' minibatches skipped (`apply_step`).
+  rows `prepare` left in the batch (non-empty mask).
 
   With `rollout.oversample` (DAPO's dynamic sampling) the batch and rewards hold
   B_s = `rollout.sampled_prompts` groups and the update keeps B = `prompts_per_iter` of
@@ -352,11 +350,7 @@ def update(state: TrainState, batch: Batch, rewards_BxG: Array, *, graphdef, tx,
     batch, rewards_BxG = dynamic.take_groups(batch, order_B), rewards_BxG[order_B]
     valid_BxG = None if valid_BxG is None else valid_BxG[order_B]
     extra.update(picked)
-  # No NaN check inside the program (it would keep `update` out of the persistent compile
-  # cache): the loop checked the rewards on the host; a NaN reached here makes its group's
-  # minibatches non-finite, so they are skipped and counted, and `nonfinite_rewards` says why.
-  extra["nonfinite_rewards"] = jnp.sum(~jnp.isfinite(rewards_BxG))
-  adv_BxG = group_advantages(rewards_BxG, valid_BxG=valid_BxG, check_nan=False)
+  adv_BxG = group_advantages(rewards_BxG, valid_BxG=valid_BxG)
   return _minibatch_steps(state, batch, adv_BxG, extra, graphdef=graphdef, tx=tx, cfg=cfg,
                           mesh=mesh)
 

@@ -33,8 +33,9 @@ def run(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def configured(run):
-  """cfg -> run.reconfigure(cfg), built once per config for the module: a rebuilt run
-  traces and builds its programs again."""
+  """cfg -> run.reconfigure(cfg), built once per config for the module: a rebuilt update
+  program compiles again (its NaN-reward host callback keeps it out of the persistent
+  compilation cache)."""
   runs = {run.cfg: run}
 
   def get(cfg):

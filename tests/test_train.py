@@ -54,8 +54,9 @@ def random_rewards(r, seed):
 
 @pytest.fixture(scope="module")
 def configured(run):
-  """cfg -> run.reconfigure(cfg), built once per config for the module: a rebuilt run
-  traces and builds its programs again."""
+  """cfg -> run.reconfigure(cfg), built once per config for the module: a rebuilt update
+  program compiles again (its NaN-reward host callback keeps it out of the persistent
+  compilation cache)."""
   runs = {run.cfg: run}
 
   def get(cfg):
