@@ -26,7 +26,7 @@ def _raise_on_nan(fn: str, rewards) -> None:
 
 
 def group_advantages(rewards_BxG: Array, *, eps: float = 1e-6, scale_by_std: bool = True,
-                     valid_BxG: Array | None = None) -> Array:
+                     valid_BxG: Array | None = None, check_nan: bool = True) -> Array:
   """A_ij = (r_ij - mean_j r_ij) / (std_j r_ij + eps), std with ddof = 1 (Bessel).
 
   With `valid_BxG`, each group's mean and std are over its valid responses only, and
@@ -43,11 +43,16 @@ def group_advantages(rewards_BxG: Array, *, eps: float = 1e-6, scale_by_std: boo
     eps: added to the std; must be > 0.
     scale_by_std: divide by the group std (GRPO / GSPO) or not (Dr. GRPO).
     valid_BxG: bool, the responses that take part (None: all).
+    check_nan: refuse NaN rewards. False: a NaN reward gives its group NaN advantages
+      instead; `step.update` passes False because the training loop has checked every
+      reward on the host already (`rewards.score_batch`), and a host callback inside a
+      program keeps that program out of JAX's persistent compilation cache.
   Returns:
     adv_BxG in at least float32.
   Raises:
-    ValueError: on a wrong shape, G < 2, eps <= 0, or NaN rewards. NaN is detected on
-      concrete input; under `jax.jit` a host callback raises it when the step runs.
+    ValueError: on a wrong shape, G < 2, eps <= 0, or NaN rewards (with `check_nan`). NaN
+      is detected on concrete input; under `jax.jit` a host callback raises it when the
+      step runs.
   """
   fn = "group_advantages"
   _checks.check_rank(fn, "rewards_BxG", rewards_BxG, 2, "B, G")
@@ -55,7 +60,9 @@ def group_advantages(rewards_BxG: Array, *, eps: float = 1e-6, scale_by_std: boo
     raise ValueError(f"{fn}: rewards_BxG has group size G = {np.shape(rewards_BxG)[1]}; "
                      "group normalisation needs G >= 2 responses per prompt")
   _checks.check_positive(fn, "eps", eps)
-  if _checks.is_concrete(rewards_BxG):
+  if not check_nan:
+    pass
+  elif _checks.is_concrete(rewards_BxG):
     _raise_on_nan(fn, rewards_BxG)
   else:
     # partitioned: each device checks its own rows (no gather of a sharded batch to one host).

@@ -319,7 +319,9 @@ def update(state: TrainState, batch: Batch, rewards_BxG: Array, *, graphdef, tx,
   become advantages: "overlong" adds DAPO's `lengths.overlong_penalty` of each response's
   length (reported as `overlong_penalty`, its mean; the host's reward metrics stay the
   task's, comparable across truncation modes), and "mask" normalises each group over the
-  rows `prepare` left in the batch (non-empty mask).
+  rows `prepare` left in the batch (non-empty mask). Rewards are not checked for NaN here
+  (the loop's host scoring refuses them): a non-finite reward makes its rows' minibatches
+  skipped and counted (`apply_step`).
 
   With `rollout.oversample` (DAPO's dynamic sampling) the batch and rewards hold
   B_s = `rollout.sampled_prompts` groups and the update keeps B = `prompts_per_iter` of
@@ -350,7 +352,13 @@ def update(state: TrainState, batch: Batch, rewards_BxG: Array, *, graphdef, tx,
     batch, rewards_BxG = dynamic.take_groups(batch, order_B), rewards_BxG[order_B]
     valid_BxG = None if valid_BxG is None else valid_BxG[order_B]
     extra.update(picked)
-  adv_BxG = group_advantages(rewards_BxG, valid_BxG=valid_BxG)
+  # No NaN check inside the program (a host callback would keep `update` out of the
+  # persistent compile cache): the loop checked the rewards on the host; a NaN reached here
+  # makes its group's minibatches non-finite, so they are skipped and counted. The barrier
+  # keeps the advantages a separate buffer, as the callback did, so XLA does not fuse their
+  # arithmetic into the losses (same rounding as advantages passed in).
+  adv_BxG = jax.lax.optimization_barrier(
+      group_advantages(rewards_BxG, valid_BxG=valid_BxG, check_nan=False))
   return _minibatch_steps(state, batch, adv_BxG, extra, graphdef=graphdef, tx=tx, cfg=cfg,
                           mesh=mesh)
 

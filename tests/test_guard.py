@@ -146,3 +146,16 @@ def test_infinite_loss_with_finite_gradient_is_skipped(setting):
     np.testing.assert_array_equal(a, b)
   for a, b in zip(leaves(state.opt_state), leaves(new.opt_state)):
     np.testing.assert_array_equal(a, b)
+
+
+def test_nan_rewards_skip_their_minibatches_and_are_counted(setting, program):
+  """`update` has no host callback for NaN rewards (the loop checks them on the host; a
+  callback would keep the program out of the persistent compile cache): a NaN reward in
+  every group makes every row's advantage NaN, so every minibatch is skipped and counted."""
+  _, _, state, batch, rewards = setting
+  assert "callback" not in program.as_text()
+  new, m = program(jax.tree.map(jnp.copy, state), batch, rewards.at[:, 0].set(jnp.nan))
+  m = jax.device_get(m)
+  assert m["skipped_updates"] == M
+  for a, b in zip(leaves(state.params), leaves(new.params)):
+    np.testing.assert_array_equal(a, b)

@@ -33,9 +33,8 @@ def run(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def configured(run):
-  """cfg -> run.reconfigure(cfg), built once per config for the module: a rebuilt update
-  program compiles again (its NaN-reward host callback keeps it out of the persistent
-  compilation cache)."""
+  """cfg -> run.reconfigure(cfg), built once per config for the module: a rebuilt run
+  traces and builds its programs again."""
   runs = {run.cfg: run}
 
   def get(cfg):

@@ -54,9 +54,8 @@ def random_rewards(r, seed):
 
 @pytest.fixture(scope="module")
 def configured(run):
-  """cfg -> run.reconfigure(cfg), built once per config for the module: a rebuilt update
-  program compiles again (its NaN-reward host callback keeps it out of the persistent
-  compilation cache)."""
+  """cfg -> run.reconfigure(cfg), built once per config for the module: a rebuilt run
+  traces and builds its programs again."""
   runs = {run.cfg: run}
 
   def get(cfg):
