@@ -67,3 +67,16 @@ def dtype(request):
 def tol(dtype):
   """assert_allclose tolerances for two computations of the same quantity in `dtype`."""
   return dict(rtol=1e-5, atol=1e-6) if dtype == np.float32 else dict(rtol=1e-12, atol=1e-13)
+
+
+@pytest.fixture(scope="module")
+def configured(run):
+  """cfg -> run.reconfigure(cfg) for the requesting module's `run` fixture, built once per
+  config for the module: a rebuilt run traces and builds its programs again."""
+  runs = {run.cfg: run}
+
+  def get(cfg):
+    if cfg not in runs:
+      runs[cfg] = run.reconfigure(cfg)
+    return runs[cfg]
+  return get

@@ -31,19 +31,6 @@ def run(tmp_path_factory):
   return R.setup(moe_cfg(routing="track"), str(tmp_path_factory.mktemp("moe")))
 
 
-@pytest.fixture(scope="module")
-def configured(run):
-  """cfg -> run.reconfigure(cfg), built once per config for the module: a rebuilt run
-  traces and builds its programs again."""
-  runs = {run.cfg: run}
-
-  def get(cfg):
-    if cfg not in runs:
-      runs[cfg] = run.reconfigure(cfg)
-    return runs[cfg]
-  return get
-
-
 def rollout(run):
   """(batch, random rewards): an untrained model earns reward 0 everywhere."""
   r = rollout_step(run, run.state.params, run.state.key, 0)

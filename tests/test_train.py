@@ -53,19 +53,6 @@ def random_rewards(r, seed):
 
 
 @pytest.fixture(scope="module")
-def configured(run):
-  """cfg -> run.reconfigure(cfg), built once per config for the module: a rebuilt run
-  traces and builds its programs again."""
-  runs = {run.cfg: run}
-
-  def get(cfg):
-    if cfg not in runs:
-      runs[cfg] = run.reconfigure(cfg)
-    return runs[cfg]
-  return get
-
-
-@pytest.fixture(scope="module")
 def rolled(run):
   """One rollout batch of the module's run: rollouts and pi_old do not depend on the loss
   settings, so the update tests below share it."""
