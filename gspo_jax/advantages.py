@@ -60,11 +60,9 @@ def group_advantages(rewards_BxG: Array, *, eps: float = 1e-6, scale_by_std: boo
     raise ValueError(f"{fn}: rewards_BxG has group size G = {np.shape(rewards_BxG)[1]}; "
                      "group normalisation needs G >= 2 responses per prompt")
   _checks.check_positive(fn, "eps", eps)
-  if not check_nan:
-    pass
-  elif _checks.is_concrete(rewards_BxG):
+  if check_nan and _checks.is_concrete(rewards_BxG):
     _raise_on_nan(fn, rewards_BxG)
-  else:
+  elif check_nan:
     # partitioned: each device checks its own rows (no gather of a sharded batch to one host).
     jax.debug.callback(lambda r: _raise_on_nan(fn, r), rewards_BxG, partitioned=True)
   r = jnp.asarray(rewards_BxG)
