@@ -117,6 +117,11 @@ def run_one(out: str, name: str, seed: int, cfg: TrainConfig) -> str:
   return run_dir
 
 
+# --plot-only on a folder without one finished run: an error, not empty plots.
+NO_RUNS = ("--out / --plot-only: no finished run under {out} (a run is finished once its "
+           "summary.json is written); run the experiment first or pass the --out it wrote to")
+
+
 def load_runs(out: str) -> dict[str, list[dict]]:
   """variant -> [{seed, rows (metrics.jsonl), summary}] for every finished run."""
   runs: dict[str, list[dict]] = {}
@@ -228,12 +233,14 @@ def main(argv, *, doc: str, name: str, variants, config, summarise, plot, seeds=
   args = parser.parse_args(argv)
   suffix = ("_long" if args.task == "long" else "") + ("_quick" if args.quick else "")
   out = args.out or os.path.join(ROOT, "experiments", "results", name + suffix)
-  os.makedirs(out, exist_ok=True)
   if not args.plot_only:
+    os.makedirs(out, exist_ok=True)
     for seed in args.seeds:
       for v in args.variants:
         run_one(out, v, seed, config(v, seed, args))
   runs = load_runs(out)
+  if not runs:
+    parser.error(NO_RUNS.format(out=os.path.join(out, "runs")))
   summary = summarise(runs)
   write_summary(out, summary)
   print("wrote", os.path.join(out, "summary.json"), *plot(runs, out))

@@ -22,8 +22,9 @@ shared by every cell of that length.
     python experiments/stability_map.py --plot-only
 
 Writes under --out (default experiments/results/stability_map[_quick]):
-<length>/runs/<loss>_mb<M>_lr<lr>_seed<k>/, summary.json, and stability_map.png (final
-held-out gain per cell, collapsed cells marked).
+<length>/runs/<loss>_mb<M>_lr<lr>_seed<k>/, summary.json, stability_map.png (final
+held-out gain per cell, collapsed cells marked) and clip_vs_length.png (clip fractions
+against response length).
 """
 
 from __future__ import annotations
@@ -81,15 +82,15 @@ def summarise(out: str, lengths) -> dict:
   for length in lengths:
     for name, items in _runs.load_runs(os.path.join(out, length)).items():
       cell = {"seeds": [], "heldout_start": [], "heldout_end": [], "collapsed": [],
-              "clip_frac_token_mean": []}
+              "clip_frac_token_mean": [], "clip_frac_seq_mean": [], "response_length_mean": []}
       for it in items:
         start = it["summary"]["heldout_accuracy_start"]
         cell["seeds"].append(it["seed"])
         cell["heldout_start"].append(start)
         cell["heldout_end"].append(it["summary"]["heldout_accuracy_end"])
         cell["collapsed"].append(collapsed(it["rows"], start))
-        cell["clip_frac_token_mean"].append(
-            float(np.mean([r["clip_frac_token"] for r in it["rows"]])))
+        for key in ("clip_frac_token", "clip_frac_seq", "response_length"):
+          cell[f"{key}_mean"].append(float(np.mean([r[key] for r in it["rows"]])))
       cell["heldout_gain_mean"] = float(np.mean(np.subtract(cell["heldout_end"],
                                                             cell["heldout_start"])))
       cells[f"{length}/{name}"] = cell
@@ -125,6 +126,39 @@ def plot(summary: dict, out: str, lengths, minibatches, lrs) -> str:
   return path
 
 
+def plot_clipping(summary: dict, out: str, minibatches, lrs) -> str:
+  """Clip fractions against mean response length (the three lengths), one line per loss,
+  off-policy minibatch count and learning rate (mean over seeds): the fraction of tokens
+  clipped and the fraction of responses with at least one clipped token. One minibatch is
+  left out: every ratio is exactly 1 there."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+  for loss, colour in zip(LOSSES, ("tab:blue", "tab:red")):
+    for lr in lrs:
+      for m, marker in zip([m for m in minibatches if m > 1], "os^v"):
+        cells = [summary["cells"].get(f"{length}/{variant(loss, m, lr)}") for length in LENGTHS]
+        cells = [c for c in cells if c]
+        if not cells:
+          continue
+        x = [np.mean(c["response_length_mean"]) for c in cells]
+        for ax, key in zip(axes, ("clip_frac_token_mean", "clip_frac_seq_mean")):
+          ax.plot(x, [max(np.mean(c[key]), 1e-5) for c in cells], color=colour, marker=marker,
+                  linestyle="-" if lr == min(lrs) else "--",
+                  label=f"{loss.upper()} {m} mb lr {lr:g}")
+  for ax, title in zip(axes, ("tokens clipped", "responses with a clipped token")):
+    ax.set_yscale("log")
+    ax.set_xlabel("mean response length (tokens)")
+    ax.set_title(title)
+  axes[1].legend(fontsize=6)
+  fig.tight_layout()
+  path = os.path.join(out, "clip_vs_length.png")
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path
+
+
 def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--quick", action="store_true", help="tiny sizes, 2 iterations per cell")
@@ -148,10 +182,14 @@ def main(argv=None) -> dict:
               cfg = config(length, loss, m, lr, seed, args.quick, args.iterations)
               _runs.run_one(os.path.join(out, length), variant(loss, m, lr), seed, cfg)
   summary = summarise(out, [l for l in LENGTHS if os.path.isdir(os.path.join(out, l))])
+  if not summary["runs"]:
+    parser.error(_runs.NO_RUNS.format(out=os.path.join(out, "<length>", "runs")))
   _runs.write_summary(out, summary)
+  minibatches = sorted(set(MINIBATCHES) | set(args.minibatches))
+  lrs = sorted(set(LRS) | set(args.lrs))
   print("wrote", os.path.join(out, "summary.json"),
-        plot(summary, out, list(LENGTHS), sorted(set(MINIBATCHES) | set(args.minibatches)),
-             sorted(set(LRS) | set(args.lrs))))
+        plot(summary, out, list(LENGTHS), minibatches, lrs),
+        plot_clipping(summary, out, minibatches, lrs))
   return summary
 
 

@@ -54,6 +54,18 @@ def test_gspo_vs_grpo_long_quick(tmp_path):
   assert gap["tokens"] >= gap["responses"]
 
 
+@pytest.mark.parametrize("name", ["gspo_vs_grpo", "stability_map"])
+def test_plot_only_without_finished_runs_is_an_error(name, tmp_path, capsys):
+  # An interrupted run (no summary.json) is not finished either.
+  (tmp_path / "runs" / "gspo_seed0").mkdir(parents=True)
+  with pytest.raises(SystemExit) as e:
+    load(name).main(["--plot-only", "--out", str(tmp_path)])
+  assert e.value.code == 2
+  err = capsys.readouterr().err
+  assert "no finished run under" in err and str(tmp_path) in err
+  assert not (tmp_path / "summary.json").exists()
+
+
 def test_long_task_configs_of_the_other_experiments():
   """--task long builds each experiment's variant on configs/long_chain.py (the quick runs
   above and below exercise the training path)."""
@@ -150,7 +162,10 @@ def test_stability_map_quick(tmp_path):
   cells = summary["cells"].values()
   # One cold start per (length, seed), shared by the cells of that length.
   assert len({c["heldout_start"][0] for c in cells}) == 1
-  assert (tmp_path / "stability_map.png").stat().st_size > 0
+  assert all(c["response_length_mean"][0] > 0 and 0 <= c["clip_frac_seq_mean"][0] <= 1
+             for c in cells)
+  for name in ("stability_map.png", "clip_vs_length.png"):
+    assert (tmp_path / name).stat().st_size > 0, name
 
 
 def test_collapse_is_every_late_evaluation_below_the_cold_start():
