@@ -6,7 +6,8 @@ teacher-forced in float32. With no update in between every importance ratio shou
 the precision gap alone moves it. GRPO's per-token ratio and GSPO's length-normalised
 sequence ratio s_i = exp(mean_t log r_it) see that gap differently: averaging over the
 response shrinks it. We report the spread of both log-ratios and the fraction that falls
-outside each method's clip range.
+outside each method's clip range; for an MoE policy also how many of the sampler's expert
+choices the float32 trainer would not make (the gap Rollout Routing Replay closes).
 
     python experiments/precision_gap.py [--quick] [--run RUN_DIR] [--prompts 256]
 
@@ -18,6 +19,7 @@ experiments/results/precision_gap[_quick]/summary.json and log_ratio_hist.png.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -36,28 +38,47 @@ from gspo_jax.run import load_run  # noqa: E402
 DEFAULT_RUN = os.path.join(ROOT, "experiments", "results", "gspo_vs_grpo", "runs", "gspo_seed0")
 
 
-def bf16_sampler(run):
+def bf16_sampler(run, dtype: str = "bfloat16"):
   """The run's rollout sampler, run by a copy of the policy with parameters and activations
   in bfloat16 (the cast inside the program, as `rollout.sampler_dtype="bfloat16"` does):
-  (params, prompts_BxP, lens_B, key) -> Rollout."""
+  (params, prompts_BxP, lens_B, key) -> Rollout. For an MoE policy the rollout also
+  carries the sampler's expert choices per MoE layer (as under R3)."""
   scfg, _ = programs.sampler_configs(run.tok, run.cfg)
-  return run.programs.sampler(scfg, dtype="bfloat16")
+  moe_layers = run.cfg.model.num_moe_layers if run.cfg.model.num_experts else 0
+  if not moe_layers:
+    return run.programs.sampler(scfg, dtype=dtype)
+  layout = programs.make_layout(run.state.params, run.tx, run.layout.mesh, with_ref=False,
+                                moe_layers=moe_layers, rollout_experts=True)
+  return programs.sampler_program(run.graphdef, dataclasses.replace(scfg, record_experts=True),
+                                  layout, model_cfg=run.cfg.model, dtype=dtype)
 
 
-def measure(run, prompts: int) -> dict:
+def measure(run, prompts: int, dtype: str = "bfloat16") -> dict:
+  """The gap between a `dtype` sampler and the float32 trainer at theta = theta_old (a
+  float32 sampler is the control: its gap is float32 rounding)."""
   mesh = run.layout.mesh
   sharding.check_rows("--prompts", prompts, mesh)
   examples = run.task.sample(np.random.default_rng([run.cfg.seed, 99]), prompts, "train")
   ids, lens = (sharding.feed(x, mesh, prompts)
                for x in run.encode_prompts([e.prompt for e in examples]))
-  rollout = bf16_sampler(run)(run.state.params, ids, lens, jax.random.key(0))
+  rollout = bf16_sampler(run, dtype)(run.state.params, ids, lens, jax.random.key(0))
   rows = step.Batch(ids, lens, rollout.tokens_BxGxT, rollout.mask_BxGxT, rollout.logp_BxGxT)
   # pi_old as the float32 trainer recomputes it (teacher forcing at the run's temperature).
-  rescore = jax.jit(lambda p, r: step.policy_logprobs(p, run.graphdef, r, run.cfg)[0])
+  # The trainer routes freely: its own expert choices, compared with the sampler's below.
+  rescore = jax.jit(lambda p, r: step.policy_logprobs(p, run.graphdef, r, run.cfg))
   B, G, L = rollout.tokens_BxGxT.shape
   flat = lambda x: np.asarray(x).reshape(B * G, L)
-  f32, bf16, mask = flat(rescore(run.state.params, rows)), flat(rollout.logp_BxGxT), flat(
-      rollout.mask_BxGxT)
+  trainer_logp, router = rescore(run.state.params, rows)
+  f32, bf16, mask = flat(trainer_logp), flat(rollout.logp_BxGxT), flat(rollout.mask_BxGxT)
+  experts = {}
+  if rollout.experts is not None:
+    # Fraction of (response token, MoE layer) expert sets the bf16 sampler chose that the
+    # float32 trainer's router does not choose for the same tokens (what R3 replays), over
+    # the tokens the sampler fed to its decoder: those followed by a counted token (the
+    # last token of a response predicts nothing; its slot holds placeholder experts).
+    fed = np.concatenate([mask[:, 1:], np.zeros_like(mask[:, :1])], 1)
+    experts["expert_sets_differ_sampler_vs_trainer"] = float(step.routing_changed(
+        router.indices, rollout.experts, jnp.asarray(fed)))
   m = mask > 0
   token_lr = (f32 - bf16)[m]                       # log r_it, trainer over sampler
   seq_lr = np.asarray(losses.sequence_log_ratio(jnp.asarray(f32), jnp.asarray(bf16),
@@ -75,6 +96,7 @@ def measure(run, prompts: int) -> dict:
       "tokens_outside_grpo_clip(0.2,0.27)": outside(token_lr, 0.2, 0.27),
       "sequences_outside_gspo_clip(3e-4,4e-4)": outside(seq_lr, 3e-4, 4e-4),
       "tokens_outside_gspo_clip_if_per_token(3e-4,4e-4)": outside(token_lr, 3e-4, 4e-4),
+      **experts,
   }, token_lr, seq_lr
 
 

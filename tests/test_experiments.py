@@ -140,6 +140,15 @@ def test_routing_replay_quick(tmp_path):
   # Free routing is tracked, replayed routing cannot change (and is not logged).
   assert 0 <= summary["grpo_free"]["routing_changed_mean"][0] <= 1
   assert summary["grpo_replay"]["routing_changed_mean"] == [None]
+  # Experiment 4 on an MoE policy: the sampler's expert choices against the trainer's. A
+  # float32 sampler is the control: the same choices at every fed token (a recorded slot
+  # off by one position, or a placeholder slot counted, would differ).
+  gap = load("precision_gap")
+  run = gap.load_run(str(tmp_path / "runs" / "grpo_free_seed0"))
+  same = gap.measure(run, 8, dtype="float32")[0]
+  assert same["expert_sets_differ_sampler_vs_trainer"] == 0
+  assert same["token_log_ratio_max_abs"] < 1e-4
+  assert 0 <= gap.measure(run, 8)[0]["expert_sets_differ_sampler_vs_trainer"] <= 1
 
 
 @pytest.mark.slow
