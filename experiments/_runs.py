@@ -81,6 +81,8 @@ def iteration_flops(cfg: dict, row: dict) -> float:
   sample = 2 * W * (B * P + B * G * steps) + 2 * D * V * B * G * steps
   teacher = 2 * W * B * G * (P + T) + 2 * D * V * B * G * T
   return float(sample + teacher * (4 + (cfg.get("kl_coef", 0) > 0)))
+# Metrics logged only at evaluations whose step-0 value is in the run's summary.json.
+STARTS = {"heldout_accuracy": "heldout_accuracy_start"}
 COLOURS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")
 
 
@@ -163,6 +165,25 @@ def summarise(items: list[dict], mean_keys=("clip_frac_token", "clip_frac_seq"))
   return out
 
 
+def series(run: dict, key: str, *, smooth: int = 1, x: str = "step"):
+  """(xs, ys) of metric `key` of one run ({rows, summary}): optionally a running mean over
+  `smooth` iterations; a metric of STARTS begins at step 0 with its summary value; x is the
+  iteration, or (x="time" / "flops") the loop's seconds / model FLOPs after it."""
+  steps, ys = curve(run["rows"], key)
+  if not len(ys):
+    return steps, ys
+  if smooth > 1 and len(ys) >= smooth:
+    ys = np.convolve(ys, np.ones(smooth) / smooth, mode="valid")
+    steps = steps[smooth - 1:]
+  elif key in STARTS and STARTS[key] in run["summary"]:
+    steps = np.concatenate([[0], steps]).astype(int)
+    ys = np.concatenate([[run["summary"][STARTS[key]]], ys])
+  if x not in ("time", "flops"):
+    return steps, ys
+  per_iteration = [r[TIME if x == "time" else "flops"] for r in run["rows"]]
+  return np.cumsum([0.0] + per_iteration)[steps], ys
+
+
 def plot_curves(runs: dict[str, list[dict]], out: str, name: str, key: str, ylabel: str, *,
                 colours: dict[str, str] | None = None, smooth: int = 1, x: str = "step",
                 log: bool = False, floor: float = 0.0) -> str:
@@ -172,15 +193,9 @@ def plot_curves(runs: dict[str, list[dict]], out: str, name: str, key: str, ylab
   fig, ax = _plots.figure()
   for variant, items in sorted(runs.items()):
     for i, it in enumerate(items):
-      steps, ys = curve(it["rows"], key)
+      xs, ys = series(it, key, smooth=smooth, x=x)
       if not len(ys):
         continue
-      if smooth > 1 and len(ys) >= smooth:
-        ys = np.convolve(ys, np.ones(smooth) / smooth, mode="valid")
-        steps = steps[smooth - 1:]
-      xs = steps
-      if x in ("time", "flops"):
-        xs = np.cumsum([r[TIME if x == "time" else "flops"] for r in it["rows"]])[steps - 1]
       ax.plot(xs, np.maximum(ys, floor) if floor else ys, color=colours.get(variant), alpha=0.8,
               label=variant.upper().replace("_", " ") if i == 0 else None)
   if log:

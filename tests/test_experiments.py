@@ -186,3 +186,23 @@ def test_collapse_is_every_late_evaluation_below_the_cold_start():
   assert not collapsed(rows([0.1, None, 0.3, 0.6]), 0.5)      # came back
   assert not collapsed(rows([0.1, 0.1, None, 0.5]), 0.5)      # equal to the start is not below
   assert not collapsed(rows([0.1, 0.1, None, None]), 0.5)     # no late evaluation
+
+
+def test_plotted_series_by_hand():
+  series = load("_runs").series
+  rows = [{"step": 1, "reward_mean": 0.1, "time_iteration": 2.0, "flops": 10.0},
+          {"step": 2, "reward_mean": 0.3, "time_iteration": 3.0, "flops": 10.0,
+           "heldout_accuracy": 0.6},
+          {"step": 3, "reward_mean": 0.5, "time_iteration": 4.0, "flops": 10.0},
+          {"step": 4, "reward_mean": 0.7, "time_iteration": 5.0, "flops": 10.0,
+           "heldout_accuracy": 0.8}]
+  run = {"rows": rows, "summary": {"heldout_accuracy_start": 0.4}}
+  # Held-out is logged at evaluations only; its curve starts at the cold start (step 0).
+  xs, ys = series(run, "heldout_accuracy")
+  assert xs.tolist() == [0, 2, 4] and ys.tolist() == [0.4, 0.6, 0.8]
+  xs, _ = series(run, "heldout_accuracy", x="time")   # seconds after 0, 2, 4 iterations
+  assert xs.tolist() == [0.0, 5.0, 14.0]
+  xs, ys = series(run, "reward_mean", smooth=2, x="flops")
+  assert xs.tolist() == [20.0, 30.0, 40.0] and ys == pytest.approx([0.2, 0.4, 0.6])
+  xs, ys = series({"rows": rows, "summary": {}}, "heldout_accuracy")   # no start recorded
+  assert xs.tolist() == [2, 4]
