@@ -5,18 +5,20 @@ from __future__ import annotations
 import os
 
 
-def figure():
-  """(fig, ax) on the non-interactive Agg backend (no display needed)."""
+def figure(ncols: int = 1, figsize=(6, 4)):
+  """(fig, ax), or (fig, axes) with `ncols` > 1, on the non-interactive Agg backend (no
+  display needed)."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  return plt.subplots(figsize=(6, 4))
+  return plt.subplots(1, ncols, figsize=figsize)
 
 
-def save(fig, ax, out: str, name: str, *, grid: bool = True) -> str:
-  """Legend, optional light grid, tight layout, 110 dpi PNG at out/name; closes the figure."""
+def save(fig, ax, out: str, name: str, *, grid: bool = True, legend_size=None) -> str:
+  """Legend on `ax` (font size `legend_size`, default if None), optional light grid,
+  tight layout, 110 dpi PNG at out/name; closes the figure."""
   import matplotlib.pyplot as plt
-  ax.legend()
+  ax.legend(fontsize=legend_size)
   if grid:
     ax.grid(alpha=0.3)
   fig.tight_layout()

@@ -39,7 +39,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from experiments import _runs  # noqa: E402
+from experiments import _plots, _runs  # noqa: E402
 from gspo_jax.config import TrainConfig  # noqa: E402
 
 LENGTHS = {"short": (3, 40), "medium": (6, 72), "long": (11, 120)}   # task_steps, max_new_tokens
@@ -131,10 +131,7 @@ def plot_clipping(summary: dict, out: str, minibatches, lrs) -> str:
   off-policy minibatch count and learning rate (mean over seeds): the fraction of tokens
   clipped and the fraction of responses with at least one clipped token. One minibatch is
   left out: every ratio is exactly 1 there."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+  fig, axes = _plots.figure(ncols=2, figsize=(10, 3.6))
   for loss, colour in zip(LOSSES, ("tab:blue", "tab:red")):
     for lr in lrs:
       for m, marker in zip([m for m in minibatches if m > 1], "os^v"):
@@ -151,12 +148,7 @@ def plot_clipping(summary: dict, out: str, minibatches, lrs) -> str:
     ax.set_yscale("log")
     ax.set_xlabel("mean response length (tokens)")
     ax.set_title(title)
-  axes[1].legend(fontsize=6)
-  fig.tight_layout()
-  path = os.path.join(out, "clip_vs_length.png")
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-  return path
+  return _plots.save(fig, axes[1], out, "clip_vs_length.png", grid=False, legend_size=6)
 
 
 def main(argv=None) -> dict:
