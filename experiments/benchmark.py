@@ -308,17 +308,18 @@ def _update_program(mcfg, rows: int, prompt_len: int, new_tokens: int, group: in
   one minibatch of `rows` rows: rows / group prompts of `group` responses."""
   from flax import nnx
 
-  from gspo_jax import step
+  from gspo_jax import optim, programs, step
   from gspo_jax.config import RolloutConfig, TrainConfig
   from gspo_jax.models import transformer
   cfg = TrainConfig(model=mcfg, num_minibatches=1, share_prompts=share_prompts,
                     rollout=RolloutConfig(prompts_per_iter=rows // group, group_size=group,
                                           max_new_tokens=new_tokens, max_prompt_len=prompt_len))
   graphdef, params = nnx.split(transformer.create(mcfg), nnx.Param)
-  tx = step.make_optimizer(cfg.optim)
+  tx = optim.make_optimizer(cfg.optim)
   state = step.TrainState(params=params, opt_state=tx.init(params),
                           step=jnp.zeros((), jnp.int32), key=jax.random.key(0))
-  update = jax.jit(functools.partial(step.update, graphdef=graphdef, tx=tx, cfg=cfg),
+  update = jax.jit(functools.partial(step.update, graphdef=graphdef, tx=tx,
+                                     cfg=programs.step_config(cfg)),
                    donate_argnums=(0,))
   return update, state, _random_batch(mcfg, rows, prompt_len, new_tokens, group=group)
 

@@ -28,7 +28,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from gspo_jax import coldstart, configlib, sharding, step  # noqa: E402
+from gspo_jax import coldstart, configlib, programs, sharding, step  # noqa: E402
 from gspo_jax.config import TrainConfig  # noqa: E402
 from gspo_jax.models.config import tiny_moe  # noqa: E402
 from gspo_jax.rollout import rollout_step  # noqa: E402
@@ -55,7 +55,8 @@ def expert_sets(graphdef, cfg: TrainConfig):
   """(params, batch) -> the sorted top-k experts of every (MoE layer, row, response
   position): (L, R, T, K), rows R = B*G in (prompt, response) order, from the trainer's own
   teacher-forced forward (`step.policy_logprobs`)."""
-  route = jax.jit(lambda p, rows: step.policy_logprobs(p, graphdef, rows, cfg)[1].indices)
+  scfg = programs.step_config(cfg)
+  route = jax.jit(lambda p, rows: step.policy_logprobs(p, graphdef, rows, scfg)[1].indices)
 
   def sets(params, batch: step.Batch) -> np.ndarray:
     P = batch.prompts_BxP.shape[1]

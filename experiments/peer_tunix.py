@@ -31,7 +31,7 @@ What is compared, and why it is the same work on both sides:
 * Update step. One GSPO policy-gradient step on the same B*G rows of P + T tokens (one
   minibatch), the same pi_old log-probs and advantages (ours computes them from the
   rewards inside the update, `group_advantages`; tunix is handed the same values), the same
-  optax optimizer (ours: `step.make_optimizer`, AdamW lr 1e-4 with global-norm clip 1.0,
+  optax optimizer (ours: `optim.make_optimizer`, AdamW lr 1e-4 with global-norm clip 1.0,
   handed to both), float32. Ours: `gspo_jax.step.update` under `jax.jit` with the state
   donated (as in
   `benchmark.py train`), loss "gspo". Theirs: the jitted step tunix's RL trainer runs: a
@@ -72,7 +72,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from experiments import benchmark  # noqa: E402
-from gspo_jax import sampling, step  # noqa: E402
+from gspo_jax import optim, programs, sampling, step  # noqa: E402
 from gspo_jax.advantages import group_advantages  # noqa: E402
 from gspo_jax.config import RolloutConfig, TrainConfig  # noqa: E402
 from gspo_jax.models import config as our_config  # noqa: E402
@@ -96,7 +96,7 @@ WHAT_RUNS = {
                      ".with_gen_model_input_fn(as in GRPOLearner).jit_train_and_eval_step("
                      "cache_nnx_graph=True)[0](TrainExample); GRPOConfig(loss_algo='gspo-token', "
                      "beta=0, epsilon=3e-4) + epsilon_high=4e-4",
-    "optimizer_both": "gspo_jax.step.make_optimizer(OptimConfig()): clip_by_global_norm(1.0), "
+    "optimizer_both": "gspo_jax.optim.make_optimizer(OptimConfig()): clip_by_global_norm(1.0), "
                       "adamw(lr=1e-4, b1=0.9, b2=0.99, weight_decay=0)",
 }
 
@@ -324,7 +324,8 @@ def update_batch(ours, args) -> tuple[step.Batch, jax.Array]:
   rows = step.Batch(prompts, jnp.full((B,), P, jnp.int32), tokens, mask, mask)
   graphdef, params = nnx.split(ours, nnx.Param)
   cfg = our_train_config(ours.cfg, args)
-  logp = jax.jit(lambda p, r: step.policy_logprobs(p, graphdef, r, cfg)[0])(params, rows)
+  scfg = programs.step_config(cfg)
+  logp = jax.jit(lambda p, r: step.policy_logprobs(p, graphdef, r, scfg)[0])(params, rows)
   noise = jnp.asarray(rng.normal(0.0, 0.01, (B, G, T)), jnp.float32)
   rewards = jnp.asarray(rng.normal(0.0, 1.0, (B, G)), jnp.float32)
   return rows.replace(old_logp_BxGxT=logp + noise), rewards
@@ -348,12 +349,13 @@ class OurUpdate:
     cfg = our_train_config(ours.cfg, args, share_prompts)
     graphdef, params = nnx.split(ours, nnx.Param)
     params = jax.tree.map(jnp.copy, params)  # the state is donated: keep `ours` intact
-    self.tx = step.make_optimizer(cfg.optim)
+    self.tx = optim.make_optimizer(cfg.optim)
     self.graphdef, self.inputs = graphdef, (batch, rewards_BxG)
     self.state = step.TrainState(params=params, opt_state=self.tx.init(params),
                                  step=jnp.zeros((), jnp.int32), key=jax.random.key(0))
+    scfg = programs.step_config(cfg)
     self.step = jax.jit(lambda s, b, r: step.update(s, b, r, graphdef=graphdef, tx=self.tx,
-                                                    cfg=cfg),
+                                                    cfg=scfg),
                         donate_argnums=(0,))
 
   def __call__(self) -> dict:

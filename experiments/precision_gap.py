@@ -44,13 +44,9 @@ def bf16_sampler(run, dtype: str = "bfloat16"):
   (params, prompts_BxP, lens_B, key) -> Rollout. For an MoE policy the rollout also
   carries the sampler's expert choices per MoE layer (as under R3)."""
   scfg, _ = programs.sampler_configs(run.tok, run.cfg)
-  moe_layers = run.cfg.model.num_moe_layers if run.cfg.model.num_experts else 0
-  if not moe_layers:
-    return run.programs.sampler(scfg, dtype=dtype)
-  layout = programs.make_layout(run.state.params, run.tx, run.layout.mesh, with_ref=False,
-                                moe_layers=moe_layers, rollout_experts=True)
-  return programs.sampler_program(run.graphdef, dataclasses.replace(scfg, record_experts=True),
-                                  layout, model_cfg=run.cfg.model, dtype=dtype)
+  if run.cfg.model.num_experts:
+    scfg = dataclasses.replace(scfg, record_experts=True)
+  return run.programs.make_sampler(scfg, dtype=dtype)
 
 
 def measure(run, prompts: int, dtype: str = "bfloat16") -> dict:
@@ -65,7 +61,7 @@ def measure(run, prompts: int, dtype: str = "bfloat16") -> dict:
   rows = step.Batch(ids, lens, rollout.tokens_BxGxT, rollout.mask_BxGxT, rollout.logp_BxGxT)
   # pi_old as the float32 trainer recomputes it (teacher forcing at the run's temperature).
   # The trainer routes freely: its own expert choices, compared with the sampler's below.
-  rescore = jax.jit(lambda p, r: step.policy_logprobs(p, run.graphdef, r, run.cfg))
+  rescore = jax.jit(lambda p, r: step.policy_logprobs(p, run.graphdef, r, run.programs.step_cfg))
   B, G, L = rollout.tokens_BxGxT.shape
   flat = lambda x: np.asarray(x).reshape(B * G, L)
   trainer_logp, router = rescore(run.state.params, rows)

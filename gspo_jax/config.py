@@ -15,7 +15,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
-from gspo_jax import _checks, losses, mismatch, sharding
+from gspo_jax import _checks, losses, sharding
+from gspo_jax.optim import OptimConfig
+from gspo_jax.rollout_correction import RolloutCorrectionConfig
 from gspo_jax.tasks.chain import DEFAULT_STEPS, Chain
 from gspo_jax.tasks.dataset import DataConfig
 from gspo_jax.tasks.gym import GymConfig, check_settings as check_gym
@@ -40,7 +42,6 @@ SAMPLER_DTYPES = ("", "float32", "bfloat16")
 #   overlong: DAPO's soft overlong punishment added to every response's reward, falling
 #             from 0 at max_new_tokens - overlong_cache tokens to -1 at max_new_tokens.
 TRUNCATION_MODES = ("count", "mask", "overlong")
-CORRECTION_LEVELS = ("none", *mismatch.LEVELS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,68 +128,6 @@ class MultiTurnConfig:
   def turn_credit(self) -> bool:
     """Per-token advantages from per-turn rewards (the update takes rewards_BxGxK)."""
     return bool(self.env) and self.credit == "turn"
-
-
-@dataclasses.dataclass(frozen=True)
-class RolloutCorrectionConfig:
-  """Importance weights w = pi_old / pi_sampler on each token of the loss and the KL term
-  (`mismatch.rollout_correction`: TIS truncates, MIS / IcePop masks), for a sampler that
-  differs from the trainer (e.g. rollout.sampler_dtype=bfloat16). pi_old is the trainer's
-  recomputed forward, so this needs old_logp="recompute". Also DeepSeek-V3.2's off-policy
-  sequence mask (`mismatch.off_policy_sequence_mask`), on its own switch."""
-  level: Literal["none", "token", "sequence", "geometric"] = "none"   # "none" = off
-  mode: Literal["truncate", "mask"] = "truncate"
-  threshold: float = 2.0            # C: truncate at it, or mask above it
-  threshold_low: float | None = None   # mode="mask" only: mask below it (None = 1 / threshold)
-  # delta: drop responses with A < 0 whose mean log(pi_sampler / pi_theta) exceeds it; 0 = off.
-  off_policy_threshold: float = 0.0
-
-  def __post_init__(self):
-    _checks.check_choice("config", "rollout_correction.level", self.level, CORRECTION_LEVELS)
-    _checks.check_choice("config", "rollout_correction.mode", self.mode, mismatch.MODES)
-    if not self.threshold > 0:
-      raise ValueError(f"rollout_correction.threshold must be > 0; got {self.threshold}")
-    if self.threshold_low is not None:
-      if self.mode != "mask":
-        raise ValueError("rollout_correction.threshold_low applies to rollout_correction."
-                         f"mode='mask' (truncation caps from above only); mode is {self.mode!r}")
-      if not 0 < self.threshold_low < self.threshold:
-        raise ValueError(f"rollout_correction.threshold_low must be in (0, rollout_correction."
-                         f"threshold={self.threshold}); got {self.threshold_low}")
-    if self.level == "none":
-      default = RolloutCorrectionConfig.__dataclass_fields__
-      for name in ("mode", "threshold", "threshold_low"):
-        if getattr(self, name) != default[name].default:
-          raise ValueError(f"rollout_correction.{name} applies when rollout_correction.level "
-                           f"is set (token, sequence or geometric); level is 'none'")
-    if not self.off_policy_threshold >= 0:
-      raise ValueError("rollout_correction.off_policy_threshold must be >= 0 (0 = off); "
-                       f"got {self.off_policy_threshold}")
-
-  @property
-  def weights(self) -> bool:
-    """Whether the update multiplies the loss by rollout-correction weights."""
-    return self.level != "none"
-
-  @property
-  def needs_sampler_logp(self) -> bool:
-    """Whether the batch keeps the sampler's log-probs next to the recomputed pi_old."""
-    return self.weights or self.off_policy_threshold > 0
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimConfig:
-  learning_rate: float = 1e-4
-  warmup_steps: int = 0
-  decay_steps: int = 0              # cosine decay to 10% over this many steps; 0 = constant
-  weight_decay: float = 0.0
-  grad_clip: float = 1.0            # global-norm clip; 0 = off
-  b1: float = 0.9
-  b2: float = 0.99
-
-  def __post_init__(self):
-    if not self.learning_rate > 0:
-      raise ValueError(f"optim.learning_rate must be > 0; got {self.learning_rate}")
 
 
 @dataclasses.dataclass(frozen=True)

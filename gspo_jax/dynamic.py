@@ -26,6 +26,7 @@ oversampled groups too, B_s / B times its work.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -62,17 +63,17 @@ def select_groups(rewards_BsxG: Array, valid_BsxG: Array | None, keep: int
   return order_K, metrics
 
 
-def take_groups(batch: Any, order_K: Array) -> Any:
+def take_groups(batch: Any, order_K: Array, flat: tuple[str, ...] = ("old_experts",)) -> Any:
   """The groups `order_K` of a grouped batch (`step.Batch`): every (B_s, ...) field by its
-  leading index, the per-MoE-layer expert choices (B_s*G, S, K) group by group."""
+  leading index; the fields named in `flat` hold (B_s*G, ...) rows (each array of a tuple
+  field, e.g. the per-MoE-layer expert choices), taken group by group."""
   G = batch.tokens_BxGxT.shape[1]
 
   def take(name, x):
-    if x is None:
-      return None
-    if name == "old_experts":
-      return tuple(e.reshape(-1, G, *e.shape[1:])[order_K].reshape(-1, *e.shape[1:]) for e in x)
+    if name in flat:
+      return x.reshape(-1, G, *x.shape[1:])[order_K].reshape(-1, *x.shape[1:])
     return x[order_K]
 
-  return batch.replace(**{f.name: take(f.name, getattr(batch, f.name))
+  return batch.replace(**{f.name: jax.tree.map(functools.partial(take, f.name),
+                                               getattr(batch, f.name))
                           for f in dataclasses.fields(batch)})

@@ -104,11 +104,11 @@ def sample_pass_at_k(run, params, examples, *, n: int, k: int, batch: int = 32, 
   per-example correct counts and this process's (example, texts)."""
   if run.cfg.multiturn.env:  # n whole episodes per example
     ecfg, _ = programs.episode_configs(run.tok, run.cfg)
-    sampler = run.programs.episodes(dataclasses.replace(
+    sampler = run.programs.make_episodes(dataclasses.replace(
         ecfg, sampler=dataclasses.replace(ecfg.sampler, group_size=n)))
   else:
     rollout_cfg, _ = programs.sampler_configs(run.tok, run.cfg)
-    sampler = run.programs.sampler(dataclasses.replace(rollout_cfg, group_size=n))
+    sampler = run.programs.make_sampler(dataclasses.replace(rollout_cfg, group_size=n))
   correct, rewards, shown = _responses(run, sampler, params, examples, batch=batch, seed=seed)
   counts = correct.sum(-1)
   return {f"pass@{k}": float(np.mean(pass_at_k(n, counts, k))), "sample_reward":

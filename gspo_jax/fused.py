@@ -22,7 +22,6 @@ import jax
 import jax.numpy as jnp
 
 from gspo_jax import programs, rng, sampling, step
-from gspo_jax.config import TrainConfig
 from gspo_jax.sampling import SamplerConfig
 from gspo_jax.step import TrainState
 
@@ -48,7 +47,7 @@ def exact_match_reward(tokens_BxGxT: Array, answer_BxA: Array, answer_lens_B: Ar
 
 
 def _iteration(state: TrainState, prompts_BxP, lens_B, answer_BxA, answer_lens_B, *,
-               graphdef, tx, cfg: TrainConfig, scfg: SamplerConfig):
+               graphdef, tx, cfg: step.StepConfig, scfg: SamplerConfig):
   """The body of `make_fused_iteration` (pure: state in, state and metrics out). The same
   functions as the phased loop: the run's "sample" stream, `step.prepare`, `step.update`."""
   key = rng.device_key(state.key, state.step, "sample")
@@ -69,6 +68,7 @@ def make_fused_iteration(run):
     raise ValueError("fused iteration: kl_coef must be 0 (no reference policy)")
   if getattr(run.task, "format_reward", 0.0):
     raise ValueError("fused iteration: the task's format_reward must be 0 (exact match only)")
-  fn = functools.partial(_iteration, graphdef=run.graphdef, tx=run.tx, cfg=run.cfg,
+  fn = functools.partial(_iteration, graphdef=run.graphdef, tx=run.tx,
+                         cfg=run.programs.step_cfg,
                          scfg=programs.sampler_configs(run.tok, run.cfg)[0])
   return jax.jit(fn, donate_argnums=(0,))

@@ -19,7 +19,7 @@ and returns `(loss, metrics)`: the loss to *minimise* (the negated objective) an
 dict of scalars (`policy_metrics`). `LOSS_DEFAULTS[name]` holds each loss's default
 hyperparameters, which are also its keyword defaults. Every loss also takes
 `token_weights_BxT=None`: constants multiplying each token's term (rollout-correction
-weights, `gspo_jax.mismatch`); a weight of exactly 0 removes the token from numerators and
+weights, `gspo_jax.rollout_correction`); a weight of exactly 0 removes the token from numerators and
 denominators alike (`weighted_mask`). The KL penalty is not part of the losses: a train
 step adds `kl_coef * kl_loss(logp_BxT, ref_logp_BxT, mask_BxT, ...)[0]` (the paper uses
 none).
@@ -52,7 +52,7 @@ from gspo_jax.loss_blocks import (
     truncated_weight_surrogate,
     weighted_mask,
 )
-from gspo_jax.mismatch import off_policy_sequence_mask, rollout_correction
+from gspo_jax.rollout_correction import off_policy_sequence_mask, rollout_correction
 from gspo_jax.variant_losses import cispo_loss, gmpo_loss, sapo_loss, sapo_seq_loss
 
 __all__ = [

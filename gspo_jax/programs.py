@@ -27,53 +27,61 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from gspo_jax import rng, sampling, sharding, step
+from gspo_jax import losses, optim, rng, sampling, sharding, step
 from gspo_jax.config import TrainConfig
 from gspo_jax.models.config import ModelConfig
-from gspo_jax.sampling import Rollout, SamplerConfig
-from gspo_jax.step import Batch, TrainState
+from gspo_jax.sampling import SamplerConfig
+from gspo_jax.step import TrainState
 
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-  """Where every array of a run lives: the mesh and the shardings of the state and batches."""
+  """Where the arrays of a run live: the mesh, the state's shardings and the parameters'
+  abstract shapes. Batches and rollouts are split by rows (`batch`); a program's outputs
+  take their shardings from their abstract shapes (`sharding.by_rank`)."""
   mesh: Mesh
   state: TrainState       # of NamedShardings
-  batch: Batch            # of NamedShardings (rows over the batch mesh axes)
-  rollout: Rollout
-  sft_opt_state: Any      # the cold start's optimiser state
+  sft_opt_state: Any      # the cold start's optimiser state (None: no cold start)
+  params: Any             # the parameters as jax.ShapeDtypeStruct, with their shardings
 
   def rows(self, ndim: int) -> NamedSharding:
     return sharding.batch_sharding(self.mesh, ndim)
+
+  @property
+  def batch(self) -> NamedSharding:
+    """Rows split over the batch mesh axes: a sharding prefix of any `Batch` (every field
+    of one is per row), whichever optional fields it carries."""
+    return sharding.rows(self.mesh)
 
   @property
   def replicated(self) -> NamedSharding:
     return sharding.replicated(self.mesh)
 
 
-def make_layout(params, tx, mesh: Mesh, with_ref: bool, moe_layers: int = 0,
-                sft_tx=None, with_sampler_logp: bool = False,
-                rollout_experts: bool = False, with_turns: bool = False) -> Layout:
-  """`moe_layers`: how many expert-choice arrays the batch carries (0 unless routing is
-  tracked or replayed); `sft_tx`: the cold start's optimiser (None: no cold start);
-  `with_sampler_logp`: the batch keeps the sampler's log-probs (rollout correction);
-  `rollout_experts`: the rollout carries the sampler's `moe_layers` expert choices (R3);
-  `with_turns`: the batch carries the turn of each token (multi-turn, turn credit)."""
+def make_layout(params, tx, mesh: Mesh, sft_tx=None) -> Layout:
+  """`sft_tx`: the cold start's optimiser (None: no cold start)."""
   ps = sharding.param_shardings(params, mesh)
-  rep, rows = sharding.replicated(mesh), functools.partial(sharding.batch_sharding, mesh)
+  rep = sharding.replicated(mesh)
   state = TrainState(params=ps, opt_state=sharding.optimizer_shardings(tx, params, ps, mesh),
                      step=rep, key=rep)
-  batch = Batch(rows(2), rows(1), rows(3), rows(3), rows(3), rows(3) if with_ref else None,
-                tuple(rows(3) for _ in range(moe_layers)) if moe_layers else None,
-                rows(3) if with_sampler_logp else None, rows(3) if with_turns else None)
-  rollout = Rollout(rows(3), rows(3), rows(3), rows(3), rows(2), rows(2), rows(2), rep,
-                    tuple(rows(3) for _ in range(moe_layers)) if rollout_experts else None)
   sft = None if sft_tx is None else sharding.optimizer_shardings(sft_tx, params, ps, mesh)
-  return Layout(mesh, state, batch, rollout, sft)
+  abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                          params, ps)
+  return Layout(mesh, state, sft, abstract)
 
 
-def batch_moe_layers(cfg: TrainConfig) -> int:
-  return 0 if cfg.routing == "free" else cfg.model.num_moe_layers
+def step_config(cfg: TrainConfig) -> step.StepConfig:
+  """What the train step reads of `cfg`, resolved once: the loss with its hyperparameters
+  bound (`TrainConfig.loss_kwargs`), the KL term when `kl_coef` > 0."""
+  kl = step.KLTerm(cfg.kl_coef, cfg.kl_estimator, cfg.kl_aggregation) if cfg.kl_coef else None
+  return step.StepConfig(
+      loss=functools.partial(losses.LOSSES[cfg.loss], **cfg.loss_kwargs()),
+      num_minibatches=cfg.num_minibatches, temperature=cfg.rollout.temperature,
+      share_prompts=cfg.share_prompts, old_logp=cfg.old_logp, routing=cfg.routing, kl=kl,
+      truncation=cfg.truncation, max_new_tokens=cfg.rollout.max_new_tokens,
+      overlong_cache=cfg.overlong_cache, correction=cfg.rollout_correction,
+      keep_groups=cfg.rollout.prompts_per_iter if cfg.rollout.oversample else 0,
+      turn_credit=cfg.multiturn.turn_credit, length_clip_metrics=cfg.length_clip_metrics)
 
 
 def check_layout(cfg: TrainConfig, mesh: Mesh) -> None:
@@ -112,14 +120,15 @@ def _cast_graphdef(model_cfg: ModelConfig, dtype: str):
 
 
 def sampler_program(graphdef, scfg: SamplerConfig, layout: Layout, *, model_cfg: ModelConfig,
-                    dtype: str = "", rollout: bool = False) -> Callable:
+                    dtype: str = "", rollout: bool = False, outs=None) -> Callable:
   """(params, prompts_BxP, lens_B, key) -> Rollout; with `rollout`, the run's rollout
   program (params, prompts_BxP, lens_B, key, step) -> (Rollout, `sampling.rollout_stats`),
   which draws the "sample" stream of iteration `step` from the run's key itself.
 
   With `dtype` the sampler runs a copy of the policy with parameters and activations in
   that dtype (an inference engine in bfloat16 next to a float32 trainer); the cast is part
-  of the program. Nothing is donated: the KV cache lives and dies inside the program."""
+  of the program. Nothing is donated: the KV cache lives and dies inside the program.
+  `outs`: the Rollout's shardings (default: `rollout_shardings`)."""
   if dtype and not (dtype == model_cfg.dtype and dtype == model_cfg.param_dtype):
     sample_graphdef = _cast_graphdef(model_cfg, dtype)
     cast = lambda params: jax.tree.map(lambda x: x.astype(dtype), params)
@@ -135,10 +144,25 @@ def sampler_program(graphdef, scfg: SamplerConfig, layout: Layout, *, model_cfg:
 
   rep = layout.replicated
   ins = (layout.state.params, layout.rows(2), layout.rows(1), rep)
-  outs = layout.rollout if scfg.record_experts else layout.rollout.replace(experts=None)
+  outs = rollout_shardings(graphdef, scfg, layout) if outs is None else outs
   if rollout:
     return jax.jit(run_rollout, in_shardings=(*ins, rep), out_shardings=(outs, rep))
   return jax.jit(run, in_shardings=ins, out_shardings=outs)
+
+
+def rollout_shardings(graphdef, scfg: SamplerConfig, layout: Layout,
+                      prompts: int | None = None):
+  """The shardings of a sampler's Rollout, derived from its abstract shapes
+  (`sharding.by_rank`: rows split, scalars replicated). Traced for `prompts` prompts
+  (default: the fewest the mesh and `scfg.compact_rows` take), so a setting the sampler
+  refuses for that batch (e.g. too many halvings) fails here, before any work."""
+  B = prompts or sharding.batch_ways(layout.mesh) * 2 ** scfg.compact_rows
+  shapes = jax.eval_shape(
+      lambda params, prompts_BxP, lens_B, key: sampling.sample(graphdef, params, prompts_BxP,
+                                                               lens_B, key, cfg=scfg),
+      layout.params, jax.ShapeDtypeStruct((B, scfg.max_prompt_len), jnp.int32),
+      jax.ShapeDtypeStruct((B,), jnp.int32), jax.eval_shape(lambda: jax.random.key(0)))
+  return sharding.by_rank(shapes, layout.mesh)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,44 +175,49 @@ class Programs:
   sft_init: Any   # params -> the cold start's optimiser state
   prepare: Any    # (params, ref_params | None, rollout, prompts_BxP, lens_B) -> Batch
   update: Any     # (state, batch, rewards_BxG) -> (state, metrics); the state is donated
-  sampler: Callable[[SamplerConfig], Any]   # another sampler program (e.g. pass@k's n samples)
+  step_cfg: step.StepConfig                 # what prepare and update were built with
+  make_sampler: Callable[[SamplerConfig], Any]   # another sampler program (pass@k's n samples)
   # Multi-turn episodes (multiturn.env set; else None): the rollout's and the greedy
   # evaluation's EpisodePrograms, and EpisodeConfig -> EpisodePrograms (pass@k's n).
   episode: Any = None
   episode_greedy: Any = None
-  episodes: Callable[[Any], Any] | None = None
+  make_episodes: Callable[[Any], Any] | None = None
 
 
 def make_programs(graphdef, tx, cfg: TrainConfig, layout: Layout, tok) -> Programs:
   rep, ps, rows = layout.replicated, layout.state.params, layout.rows
   ref_sh = ps if cfg.kl_coef else None
+  scfg = step_config(cfg)
   rollout_cfg, greedy_cfg = sampler_configs(tok, cfg)
   sampler = functools.partial(sampler_program, graphdef, layout=layout, model_cfg=cfg.model)
+  rollout_sh = rollout_shardings(graphdef, rollout_cfg, layout, cfg.rollout.sampled_prompts)
 
   def init(params):
     return TrainState(params=params, opt_state=tx.init(params), step=jnp.zeros((), jnp.int32),
                       key=jax.random.key(cfg.seed))
 
-  sft_tx, sft_os = step.sft_optimizer(cfg.sft), layout.sft_opt_state or rep
+  sft_tx = optim.sft_optimizer(cfg.sft.steps, cfg.sft.learning_rate)
+  sft_os = layout.sft_opt_state or rep
   sft_batch = (rows(2), rows(1), rows(2), rows(2))
   return Programs(
       init=jax.jit(init, in_shardings=(ps,), out_shardings=layout.state),
-      sample=sampler(rollout_cfg, dtype=cfg.rollout.sampler_dtype, rollout=True),
-      greedy=sampler(greedy_cfg),
+      sample=sampler(rollout_cfg, dtype=cfg.rollout.sampler_dtype, rollout=True,
+                     outs=rollout_sh),
+      greedy=sampler(greedy_cfg, outs=rollout_sh.replace(experts=None)),
       sft=jax.jit(functools.partial(step.sft_step, graphdef=graphdef, tx=sft_tx),
                   in_shardings=(ps, sft_os, sft_batch), out_shardings=(ps, sft_os, rep),
                   donate_argnums=(0, 1)),
       sft_init=jax.jit(sft_tx.init, in_shardings=(ps,), out_shardings=sft_os),
       prepare=jax.jit(
-          functools.partial(step.prepare, graphdef=graphdef, cfg=cfg),
-          in_shardings=(ps, ref_sh, layout.rollout, rows(2), rows(1)),
+          functools.partial(step.prepare, graphdef=graphdef, cfg=scfg),
+          in_shardings=(ps, ref_sh, rollout_sh, rows(2), rows(1)),
           out_shardings=layout.batch),
       update=jax.jit(
-          functools.partial(step.update, graphdef=graphdef, tx=tx, cfg=cfg, mesh=layout.mesh),
+          functools.partial(step.update, graphdef=graphdef, tx=tx, cfg=scfg, mesh=layout.mesh),
           # rewards_BxG, or per-turn rewards_BxGxK with multiturn.credit="turn"
-          in_shardings=(layout.state, layout.batch, rows(3 if cfg.multiturn.turn_credit else 2)),
+          in_shardings=(layout.state, layout.batch, layout.batch),
           out_shardings=(layout.state, rep), donate_argnums=(0,)),
-      sampler=sampler, **_episode_fields(graphdef, cfg, layout, tok))
+      step_cfg=scfg, make_sampler=sampler, **_episode_fields(graphdef, cfg, layout, tok))
 
 
 def episode_configs(tok, cfg: TrainConfig):
@@ -213,7 +242,7 @@ def _episode_fields(graphdef, cfg: TrainConfig, layout: Layout, tok) -> dict[str
     return {}
   build = functools.partial(episode_programs, graphdef, layout=layout)
   rollout, greedy = episode_configs(tok, cfg)
-  return {"episode": build(rollout), "episode_greedy": build(greedy), "episodes": build}
+  return {"episode": build(rollout), "episode_greedy": build(greedy), "make_episodes": build}
 
 
 def episode_programs(graphdef, ecfg, *, layout: Layout):

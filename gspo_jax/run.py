@@ -18,9 +18,9 @@ from flax import nnx
 from gspo_jax import checkpoint, configlib, rng, sharding, text
 from gspo_jax.config import TrainConfig, check_positions, check_routing
 from gspo_jax.models.config import EXECUTION_FIELDS
-from gspo_jax.programs import (Layout, Programs, batch_moe_layers, check_layout, make_layout,
-                               make_programs)
-from gspo_jax.step import TrainState, make_optimizer, sft_optimizer
+from gspo_jax.optim import make_optimizer, sft_optimizer
+from gspo_jax.programs import Layout, Programs, check_layout, make_layout, make_programs
+from gspo_jax.step import TrainState
 
 
 @dataclasses.dataclass
@@ -55,11 +55,8 @@ def _rendered(task) -> bool:
 
 
 def _layout(params, tx, mesh, cfg: TrainConfig) -> Layout:
-  sft_tx = sft_optimizer(cfg.sft) if cfg.sft.steps > 0 else None
-  return make_layout(params, tx, mesh, bool(cfg.kl_coef), batch_moe_layers(cfg), sft_tx,
-                     cfg.rollout_correction.needs_sampler_logp,
-                     rollout_experts=cfg.routing == "rollout_replay",
-                     with_turns=cfg.multiturn.turn_credit)
+  sft_tx = sft_optimizer(cfg.sft.steps, cfg.sft.learning_rate) if cfg.sft.steps > 0 else None
+  return make_layout(params, tx, mesh, sft_tx)
 
 
 def make_task(cfg: TrainConfig):

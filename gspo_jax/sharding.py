@@ -161,6 +161,20 @@ def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
   return NamedSharding(mesh, P(ACTIVATION_RULES["batch"], *([None] * (ndim - 1))))
 
 
+def rows(mesh: Mesh) -> NamedSharding:
+  """Rows split over the batch mesh axes, whatever the rank: a sharding prefix of any
+  pytree whose arrays all lead with rows (a `step.Batch`, rewards_BxG or per turn)."""
+  return NamedSharding(mesh, P(ACTIVATION_RULES["batch"]))
+
+
+def by_rank(shapes, mesh: Mesh):
+  """The rule that gives a program's per-row outputs their shardings from their abstract
+  shapes (`jax.eval_shape`): arrays of rank >= 1 lead with rows (`batch_sharding`),
+  scalars are replicated. None leaves stay None."""
+  return jax.tree.map(lambda s: batch_sharding(mesh, s.ndim) if s.ndim else replicated(mesh),
+                      shapes)
+
+
 def check_rows(field: str, rows: int, mesh: Mesh) -> None:
   """A batch dimension set by config `field` must divide over the batch mesh axes."""
   ways = batch_ways(mesh)

@@ -8,12 +8,19 @@ b = B*G / num_minibatches single rows (g = 1) drawn from any group.
 The model is bound in here and nowhere else in the update path: `graphdef` (the model's
 structure) and `params` (an nnx.State of its nnx.Param variables) are merged inside the
 traced functions. `gspo_jax.programs` compiles these functions, each as one `jax.jit`
-with its shardings and donation.
+with its shardings and donation, with a `StepConfig` it resolves once from the run's
+config (`programs.step_config`): this module reads no user config.
+
+Adding a batch field: declare it on `Batch` (per row, (B, G, ...), unless `ROW_LAYOUT`
+says otherwise), fill it in `prepare` (or where the rollout makes it), read it in
+`minibatch_loss`. Its sharding, the minibatch split and the scan follow from the field
+itself (docs/adding_a_feature.md).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, Callable
 
 import flax.struct
 import jax
@@ -22,13 +29,50 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from gspo_jax import dynamic, lengths, losses, mismatch, rng, sharding
+from gspo_jax import dynamic, lengths, losses, rng, sharding
 from gspo_jax.advantages import group_advantages, turn_advantages
-from gspo_jax.config import OptimConfig, SFTConfig, TrainConfig
+from gspo_jax.optim import current_lr
+from gspo_jax.rollout_correction import (RolloutCorrectionConfig, off_policy_sequence_mask,
+                                         rollout_correction)
 from gspo_jax.sampling import Rollout
 from gspo_jax.teacher_forcing import response_logprobs
 
 Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class KLTerm:
+  """`coef * losses.kl_loss(..., estimator, aggregation)` added to the loss when the batch
+  carries pi_ref's log-probs (the policy loss's aggregation: `TrainConfig.kl_aggregation`)."""
+  coef: float
+  estimator: str = "k3"
+  aggregation: str = "seq-mean-token-mean"
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+  """Everything the train step reads, resolved once per run (`programs.step_config` builds
+  it from a `TrainConfig`; research code may build one directly).
+
+  `loss(logp_RxT, old_logp_RxT, adv, mask_RxT, **extra) -> (loss, metrics)` is a loss of
+  `losses.LOSSES` with its hyperparameters bound (`functools.partial`); `extra` is
+  `token_weights_BxT` when the rollout correction or the off-policy mask weights tokens."""
+  loss: Callable[..., tuple[Array, dict[str, Array]]]
+  num_minibatches: int = 1
+  temperature: float = 1.0          # the sampler's: log-probs are of the tempered policy
+  share_prompts: bool = False       # teacher forcing computes each prompt once per group
+  old_logp: str = "recompute"       # "sampler": the sampler's log-probs are pi_old
+  routing: str = "free"             # MoE: free / track / replay / rollout_replay
+  kl: KLTerm | None = None          # with a reference policy (its log-probs in the batch)
+  truncation: str = "count"         # count / mask / overlong (`gspo_jax.lengths`)
+  max_new_tokens: int = 0           # T, for truncation="overlong"
+  overlong_cache: int = 0
+  correction: RolloutCorrectionConfig = RolloutCorrectionConfig()
+  # Dynamic sampling: the batch holds more groups than this, the update keeps this many
+  # (`dynamic.select_groups`); 0 = every group of the batch.
+  keep_groups: int = 0
+  turn_credit: bool = False         # multi-turn: per-turn rewards -> per-token advantages
+  length_clip_metrics: bool = False  # clip fractions per length quartile
 
 
 @flax.struct.dataclass
@@ -59,6 +103,14 @@ class Batch:
   turn_BxGxT: Array | None = None
 
 
+# How each Batch field's leading axes hold rows, for the minibatch split (`split_minibatches`):
+#   "group":  (B, G, ...), one entry per response, grouped by prompt (every field not listed);
+#   "prompt": (B, ...), one entry per prompt;
+#   "flat":   (B*G, ...), one entry per response, row-major.
+# Every field is split by rows, so one row sharding covers any Batch (`sharding.rows`).
+ROW_LAYOUT = {"prompts_BxP": "prompt", "prompt_lens_B": "prompt", "old_experts": "flat"}
+
+
 @flax.struct.dataclass
 class Minibatch:
   """`b` prompts with `g` responses each (see the module legend) and their advantages."""
@@ -66,33 +118,6 @@ class Minibatch:
   adv_bxg: Array                  # (b, g), or per token (b, g, T) with turn credit
   # Rollout-correction weights (`correction_weights`), 0 where masked; None when off.
   token_weights_bxgxT: Array | None = None
-
-
-def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
-  lr: Any = cfg.learning_rate
-  if cfg.decay_steps:
-    lr = optax.warmup_cosine_decay_schedule(0.0, cfg.learning_rate, max(cfg.warmup_steps, 1),
-                                            cfg.decay_steps, cfg.learning_rate * 0.1)
-  elif cfg.warmup_steps:
-    lr = optax.linear_schedule(0.0, cfg.learning_rate, cfg.warmup_steps)
-  parts = [optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip else []
-  parts.append(optax.inject_hyperparams(optax.adamw)(learning_rate=lr, b1=cfg.b1, b2=cfg.b2,
-                                                     weight_decay=cfg.weight_decay))
-  return optax.chain(*parts)
-
-
-def current_lr(opt_state) -> Array:
-  """The injected learning rate (the schedule's state has the same name; take the array)."""
-  return optax.tree_utils.tree_get(opt_state, "learning_rate",
-                                   filtering=lambda _, value: isinstance(value, jax.Array))
-
-
-def sft_optimizer(cfg: SFTConfig) -> optax.GradientTransformation:
-  """The cold start's AdamW: linear warmup over the first tenth, then cosine decay."""
-  warmup = max(cfg.steps // 10, 1)
-  schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.learning_rate, warmup,
-                                                max(cfg.steps, warmup + 1))
-  return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.0))
 
 
 def sft_loss(params, graphdef, prompts_BxP, lens_B, tokens_BxT, mask_BxT):
@@ -110,16 +135,16 @@ def sft_step(params, opt_state, batch, *, graphdef, tx):
   return optax.apply_updates(params, updates), opt_state, loss
 
 
-def policy_logprobs(params, graphdef, rows: Batch, cfg: TrainConfig, *, replay=None):
+def policy_logprobs(params, graphdef, rows: Batch, cfg: StepConfig, *, replay=None):
   """Teacher-forced log-probs (b, g, T) of `rows` under `params`, and the RouterInfo."""
   model = nnx.merge(graphdef, params)
   return response_logprobs(model, rows.prompts_BxP, rows.prompt_lens_B, rows.tokens_BxGxT,
-                           temperature=cfg.rollout.temperature, replay=replay,
+                           temperature=cfg.temperature, replay=replay,
                            share_prompts=cfg.share_prompts)
 
 
 def prepare(params, ref_params, rollout: Rollout, prompts_BxP, lens_B, *, graphdef,
-            cfg: TrainConfig) -> Batch:
+            cfg: StepConfig) -> Batch:
   """pi_old (recomputed, or the sampler's with `old_logp="sampler"`), pi_ref (when
   ref_params is given) and, when `cfg.routing` is not "free", pi_old's expert choices
   (from the teacher-forced pass: what the trainer's pi_old routes, also when its log-probs
@@ -143,12 +168,12 @@ def prepare(params, ref_params, rollout: Rollout, prompts_BxP, lens_B, *, graphd
     old = recomputed if cfg.old_logp == "recompute" else old
     experts = None if cfg.routing == "free" else router.indices
   ref = None if ref_params is None else policy_logprobs(ref_params, graphdef, rows, cfg)[0]
-  sampler = rollout.logp_BxGxT * mask if cfg.rollout_correction.needs_sampler_logp else None
+  sampler = rollout.logp_BxGxT * mask if cfg.correction.needs_sampler_logp else None
   return rows.replace(old_logp_BxGxT=old * mask, ref_logp_BxGxT=ref, old_experts=experts,
                       sampler_logp_BxGxT=sampler)
 
 
-def _rollout_replay_old(params, graphdef, rows: Batch, rollout: Rollout, cfg: TrainConfig):
+def _rollout_replay_old(params, graphdef, rows: Batch, rollout: Rollout, cfg: StepConfig):
   """pi_old under Rollout Routing Replay: the trainer's forward with the sampler's expert
   choices forced (the sampler's own log-probs with `old_logp="sampler"`)."""
   if cfg.old_logp == "sampler":
@@ -156,35 +181,35 @@ def _rollout_replay_old(params, graphdef, rows: Batch, rollout: Rollout, cfg: Tr
   return policy_logprobs(params, graphdef, rows, cfg, replay=rollout.experts)[0]
 
 
-def minibatch_loss(params, graphdef, mb: Minibatch, cfg: TrainConfig):
-  """The chosen loss (+ kl_coef * KL when a reference is given) on one minibatch, and with
-  `cfg.length_clip_metrics` its clip fractions per length quartile
+def minibatch_loss(params, graphdef, mb: Minibatch, cfg: StepConfig):
+  """`cfg.loss` (+ kl.coef * KL when the minibatch carries pi_ref's log-probs) on one
+  minibatch, and with `cfg.length_clip_metrics` its clip fractions per length quartile
   (`lengths.clip_by_length`, no gradient).
 
   Token weights (the minibatch's rollout-correction weights, times DeepSeek-V3.2's
   off-policy sequence mask of pi_theta against the sampler with
-  `rollout_correction.off_policy_threshold`) multiply each token's term of the loss and
+  `correction.off_policy_threshold`) multiply each token's term of the loss and
   of the KL term alike; a weight of 0 removes the token from both, denominators included."""
   rows = mb.rows
+  if rows.ref_logp_BxGxT is not None and cfg.kl is None:
+    raise ValueError("the minibatch carries pi_ref's log-probs but StepConfig.kl is None")
   replay = rows.old_experts if cfg.routing in ("replay", "rollout_replay") else None
   logp, router = policy_logprobs(params, graphdef, rows, cfg, replay=replay)
   flat = lambda x: x.reshape(-1, x.shape[-1])
   mask = flat(rows.mask_BxGxT)
   adv = mb.adv_bxg.reshape(mask.shape if mb.adv_bxg.ndim == 3 else (-1,))
-  loss_fn, args = losses.LOSSES[cfg.loss], (flat(logp), flat(rows.old_logp_BxGxT), adv, mask)
+  args = (flat(logp), flat(rows.old_logp_BxGxT), adv, mask)
   weights, metrics = token_weights(flat(logp), mb, cfg)
-  kwargs = cfg.loss_kwargs() if weights is None else {**cfg.loss_kwargs(),
-                                                      "token_weights_BxT": weights}
-  loss, loss_metrics = loss_fn(*args, **kwargs)
+  extra = {} if weights is None else {"token_weights_BxT": weights}
+  loss, loss_metrics = cfg.loss(*args, **extra)
   metrics = {**loss_metrics, **metrics}
   if cfg.length_clip_metrics:
-    metrics = {**metrics, **lengths.clip_by_length(loss_fn, *args, **kwargs)}
+    metrics = {**metrics, **lengths.clip_by_length(cfg.loss, *args, **extra)}
   if rows.ref_logp_BxGxT is not None:
-    kl_weights = {} if weights is None else {"token_weights_BxT": weights}
     kl, kl_metrics = losses.kl_loss(flat(logp), flat(rows.ref_logp_BxGxT), mask,
-                                    estimator=cfg.kl_estimator, aggregation=cfg.kl_aggregation,
-                                    **kl_weights)
-    loss = loss + cfg.kl_coef * kl
+                                    estimator=cfg.kl.estimator, aggregation=cfg.kl.aggregation,
+                                    **extra)
+    loss = loss + cfg.kl.coef * kl
     metrics = {**metrics, **kl_metrics, "loss": jax.lax.stop_gradient(loss)}
   if cfg.routing == "track":
     metrics = {**metrics, "routing_changed": routing_changed(router.indices, rows.old_experts,
@@ -192,31 +217,31 @@ def minibatch_loss(params, graphdef, mb: Minibatch, cfg: TrainConfig):
   return loss, metrics
 
 
-def token_weights(logp_RxT: Array, mb: Minibatch, cfg: TrainConfig):
+def token_weights(logp_RxT: Array, mb: Minibatch, cfg: StepConfig):
   """(weights_RxT or None, metrics): the minibatch's rollout-correction weights, times the
-  off-policy sequence mask when `rollout_correction.off_policy_threshold` > 0 (it reads
+  off-policy sequence mask when `correction.off_policy_threshold` > 0 (it reads
   pi_theta, so it is decided here, per minibatch; `logp_RxT` enters as a constant)."""
   flat = lambda x: x.reshape(-1, x.shape[-1])
   weights = None if mb.token_weights_bxgxT is None else flat(mb.token_weights_bxgxT)
-  delta = cfg.rollout_correction.off_policy_threshold
+  delta = cfg.correction.off_policy_threshold
   if not delta:
     return weights, {}
-  keep, metrics = mismatch.off_policy_sequence_mask(
+  keep, metrics = off_policy_sequence_mask(
       logp_RxT, flat(mb.rows.sampler_logp_BxGxT), mb.adv_bxg.reshape(-1),
       flat(mb.rows.mask_BxGxT), threshold=delta)
   return (keep if weights is None else weights * keep), metrics
 
 
-def correction_weights(batch: Batch, cfg: TrainConfig):
-  """(weights_BxGxT, metrics) of `mismatch.rollout_correction` over the whole batch (the
-  metrics are the iteration's, over all its counted tokens), or (None, {}) when
-  `rollout_correction.level` is "none". The weights depend on pi_old and the sampler only,
-  so they are computed once per iteration, before the minibatches."""
-  rc = cfg.rollout_correction
+def correction_weights(batch: Batch, cfg: StepConfig):
+  """(weights_BxGxT, metrics) of `rollout_correction.rollout_correction` over the whole
+  batch (the metrics are the iteration's, over all its counted tokens), or (None, {}) when
+  `correction.level` is "none". The weights depend on pi_old and the sampler only, so they
+  are computed once per iteration, before the minibatches."""
+  rc = cfg.correction
   if not rc.weights:
     return None, {}
   flat = lambda x: x.reshape(-1, x.shape[-1])
-  weights, metrics = mismatch.rollout_correction(
+  weights, metrics = rollout_correction(
       flat(batch.old_logp_BxGxT), flat(batch.sampler_logp_BxGxT), flat(batch.mask_BxGxT),
       level=rc.level, mode=rc.mode, threshold=rc.threshold, threshold_low=rc.threshold_low)
   return weights.reshape(batch.mask_BxGxT.shape), metrics
@@ -235,7 +260,7 @@ def routing_changed(new_experts, old_experts, mask_RxT: Array) -> Array:
   return jnp.mean(jnp.stack(per_layer))
 
 
-def apply_step(state_parts, mb: Minibatch, *, graphdef, tx, cfg: TrainConfig):
+def apply_step(state_parts, mb: Minibatch, *, graphdef, tx, cfg: StepConfig):
   """One optax step on one minibatch; skipped (params and optimiser state unchanged) if the
   loss or the gradient is not finite, or if no token of the minibatch counts (every row
   masked out by `truncation="mask"`: an optax step on a zero gradient would still move the
@@ -263,39 +288,39 @@ def minibatch_order(key: Array, rows: int, group: int) -> Array:
   return (perm[:, None] * group + jnp.arange(group)[None, :]).reshape(rows)
 
 
-def split_minibatches(key: Array, batch: Batch, adv_BxG: Array, cfg: TrainConfig,
+def split_minibatches(key: Array, batch: Batch, adv_BxG: Array, cfg: StepConfig,
                       mesh: Mesh | None = None, weights_BxGxT: Array | None = None
                       ) -> Minibatch:
-  """Shuffle and split into `num_minibatches` stacked minibatches (leading axis). With
+  """Shuffle and split into `num_minibatches` stacked minibatches (leading axis M). With
   `share_prompts` whole groups are shuffled (a group's prompt is then computed once);
-  otherwise single rows from any group, each with its own prompt. `weights_BxGxT` (token
-  weights) are split with their rows."""
-  B, G, T = batch.tokens_BxGxT.shape
+  otherwise single rows from any group, each with its own prompt (g = 1).
+
+  A tree map over every field of the batch, the advantages (B, G) or (B, G, T) and the
+  token weights: each is taken by its rows as `ROW_LAYOUT` says, so a new Batch field
+  reaches the minibatches with nothing else to change."""
+  B, G = batch.tokens_BxGxT.shape[:2]
   M = cfg.num_minibatches
   if cfg.share_prompts:
     order = minibatch_order(key, B * G, G).reshape(B, G)[:, 0] // G   # groups
-    take = lambda x_B: x_B[order]
-    experts = lambda e: e.reshape(B, G, *e.shape[1:])[order].reshape(M, -1, *e.shape[1:])
+    prompt_of = order
+    take = {"prompt": lambda x: x[order],
+            "group": lambda x: x[order],
+            "flat": lambda x: x.reshape(B, G, *x.shape[1:])[order].reshape(B * G, *x.shape[1:])}
   else:
     order = minibatch_order(key, B * G, 1)                               # rows
-    take = lambda x_BxG: x_BxG.reshape(B * G, 1, *x_BxG.shape[2:])[order]
-    experts = lambda e: e[order].reshape(M, -1, *e.shape[1:])
-  prompt_of = order if cfg.share_prompts else order // G
-  stack = lambda x: constrain(x.reshape(M, -1, *x.shape[1:]), mesh)
-  rows_of = lambda x: None if x is None else stack(take(x))
-  rows = Batch(prompts_BxP=stack(batch.prompts_BxP[prompt_of]),
-               prompt_lens_B=stack(batch.prompt_lens_B[prompt_of]),
-               tokens_BxGxT=stack(take(batch.tokens_BxGxT)),
-               mask_BxGxT=stack(take(batch.mask_BxGxT)),
-               old_logp_BxGxT=stack(take(batch.old_logp_BxGxT)),
-               ref_logp_BxGxT=None if batch.ref_logp_BxGxT is None else
-               stack(take(batch.ref_logp_BxGxT)),
-               old_experts=None if batch.old_experts is None else
-               tuple(constrain(experts(e), mesh) for e in batch.old_experts),
-               sampler_logp_BxGxT=rows_of(batch.sampler_logp_BxGxT))
-  adv = adv_BxG[order] if cfg.share_prompts else \
-      adv_BxG.reshape(B * G, 1, *adv_BxG.shape[2:])[order]   # (B, G) or per token (B, G, T)
-  return Minibatch(rows, stack(adv), rows_of(weights_BxGxT))
+    prompt_of = order // G
+    take = {"prompt": lambda x: x[prompt_of],
+            "group": lambda x: x.reshape(B * G, 1, *x.shape[2:])[order],
+            "flat": lambda x: x[order]}
+
+  def split(path, x):
+    names = [k.name for k in path if isinstance(k, jax.tree_util.GetAttrKey)]
+    kind = ROW_LAYOUT.get(names[-1], "group") if names[0] == "rows" else "group"
+    y = take[kind](x)
+    return constrain(y.reshape(M, -1, *y.shape[1:]), mesh)
+
+  whole = Minibatch(batch, adv_BxG, weights_BxGxT)
+  return jax.tree_util.tree_map_with_path(split, whole)
 
 
 def constrain(x_MxN: Array, mesh: Mesh | None) -> Array:
@@ -307,7 +332,7 @@ def constrain(x_MxN: Array, mesh: Mesh | None) -> Array:
 
 
 def update(state: TrainState, batch: Batch, rewards_BxG: Array, *, graphdef, tx,
-           cfg: TrainConfig, mesh: Mesh | None = None):
+           cfg: StepConfig, mesh: Mesh | None = None):
   """Group-normalised advantages from the rewards (paper Eq. 6), then `num_minibatches`
   optax steps (a `lax.scan`), all but the first off-policy. Returns the new state and the
   per-minibatch metrics averaged (skipped_updates summed, ratio_min/max over all; with
@@ -323,33 +348,34 @@ def update(state: TrainState, batch: Batch, rewards_BxG: Array, *, graphdef, tx,
   (the loop's host scoring refuses them): a non-finite reward makes its rows' minibatches
   skipped and counted (`apply_step`).
 
-  With `rollout.oversample` (DAPO's dynamic sampling) the batch and rewards hold
-  B_s = `rollout.sampled_prompts` groups and the update keeps B = `prompts_per_iter` of
-  them, informative first (`dynamic.select_groups`, after the truncation shaping: a group
+  With `cfg.keep_groups` (DAPO's dynamic sampling, `rollout.oversample`) the batch and
+  rewards hold B_s = `rollout.sampled_prompts` groups and the update keeps B =
+  `keep_groups` of them, informative first (`dynamic.select_groups`, after the truncation shaping: a group
   is judged by the rewards its advantages come from); `degenerate_groups_frac` and
-  `dynamic_fill` report what was sampled and what was filled. With
-  `rollout_correction.level` the rollout-correction weights and their metrics
-  (`correction_weights`) are the kept batch's.
+  `dynamic_fill` report what was sampled and what was filled. With `cfg.correction.level`
+  the rollout-correction weights and their metrics (`correction_weights`) are the kept
+  batch's.
 
-  Multi-turn episodes with `multiturn.credit="turn"` pass the per-turn rewards
+  Multi-turn episodes with `cfg.turn_credit` (multiturn.credit="turn") pass the per-turn rewards
   rewards_BxGxK instead; each token gets its turn's group-normalised return
   (`advantages.turn_advantages` by `batch.turn_BxGxT`), adv_BxGxT (config.check_multiturn
   refuses the options above that read one advantage per sequence)."""
-  if cfg.multiturn.turn_credit:
+  if cfg.turn_credit:
     adv_BxGxT = turn_advantages(rewards_BxG, batch.turn_BxGxT)
     return _minibatch_steps(state, batch, adv_BxGxT, {}, graphdef=graphdef, tx=tx, cfg=cfg,
                             mesh=mesh)
   n_BxG = jnp.sum(batch.mask_BxGxT, axis=-1)
   extra = {}
   if cfg.truncation == "overlong":
-    penalty_BxG = lengths.overlong_penalty(n_BxG, max_new_tokens=cfg.rollout.max_new_tokens,
+    penalty_BxG = lengths.overlong_penalty(n_BxG, max_new_tokens=cfg.max_new_tokens,
                                            cache=cfg.overlong_cache)
     rewards_BxG = rewards_BxG + penalty_BxG
     extra["overlong_penalty"] = jnp.mean(penalty_BxG)
   valid_BxG = n_BxG > 0 if cfg.truncation == "mask" else None
-  if cfg.rollout.oversample:  # dynamic sampling: B_s groups in, B kept (static shapes)
-    order_B, picked = dynamic.select_groups(rewards_BxG, valid_BxG, cfg.rollout.prompts_per_iter)
-    batch, rewards_BxG = dynamic.take_groups(batch, order_B), rewards_BxG[order_B]
+  if cfg.keep_groups:  # dynamic sampling: B_s groups in, B kept (static shapes)
+    order_B, picked = dynamic.select_groups(rewards_BxG, valid_BxG, cfg.keep_groups)
+    flat = tuple(name for name, kind in ROW_LAYOUT.items() if kind == "flat")
+    batch, rewards_BxG = dynamic.take_groups(batch, order_B, flat), rewards_BxG[order_B]
     valid_BxG = None if valid_BxG is None else valid_BxG[order_B]
     extra.update(picked)
   # No NaN check inside the program (a host callback would keep `update` out of the
@@ -364,7 +390,7 @@ def update(state: TrainState, batch: Batch, rewards_BxG: Array, *, graphdef, tx,
 
 
 def _minibatch_steps(state: TrainState, batch: Batch, adv_BxG: Array, extra, *, graphdef, tx,
-                     cfg: TrainConfig, mesh):
+                     cfg: StepConfig, mesh):
   """`update` after the advantages: the minibatch scan and its metrics summary."""
   weights_BxGxT, correction = correction_weights(batch, cfg)
   key = rng.device_key(state.key, state.step, "minibatch")

@@ -9,7 +9,7 @@ of row i, N non-empty rows (the batch mean is over those N, as in verl/tunix; TR
 by all B rows).
 
 `token_weights_BxT` (every loss): constants multiplying each token's term, e.g.
-`gspo_jax.mismatch.rollout_correction` weights; a weight of exactly 0 removes the token from
+`gspo_jax.rollout_correction.rollout_correction` weights; a weight of exactly 0 removes the token from
 numerators and denominators alike (and from the ratios), see `loss_blocks.weighted_mask`.
 A per-response term (sequence SAPO, GMPO) is broadcast to its tokens before weighting, so
 under seq-mean-token-mean it is weighted by the row mean of its tokens' weights (TRL's

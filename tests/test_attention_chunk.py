@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gspo_jax import configlib, step, teacher_forcing
+from gspo_jax import configlib, optim, step, teacher_forcing
 from gspo_jax.config import RolloutConfig, TrainConfig
 from gspo_jax.models import config, transformer
 from gspo_jax.models.attention import attend
+from gspo_jax.programs import step_config
 
 B, G, S, N, C, H, P = 2, 3, 7, 4, 2, 8, 5
 
@@ -121,7 +122,7 @@ def _update_temp_bytes(mcfg, rows=4, P_=8, T=120):
                                           max_new_tokens=T, max_prompt_len=P_))
   model = nnx.eval_shape(lambda: transformer.Transformer(mcfg, rngs=nnx.Rngs(0)))
   graphdef, params = nnx.split(model, nnx.Param)
-  tx = step.make_optimizer(cfg.optim)
+  tx = optim.make_optimizer(cfg.optim)
   state = step.TrainState(params=params, opt_state=jax.eval_shape(tx.init, params),
                           step=jax.ShapeDtypeStruct((), jnp.int32),
                           key=jax.eval_shape(lambda: jax.random.key(0)))
@@ -131,7 +132,8 @@ def _update_temp_bytes(mcfg, rows=4, P_=8, T=120):
                      tokens_BxGxT=jax.ShapeDtypeStruct((Bp, 2, T), i32),
                      mask_BxGxT=jax.ShapeDtypeStruct((Bp, 2, T), f32),
                      old_logp_BxGxT=jax.ShapeDtypeStruct((Bp, 2, T), f32))
-  update = jax.jit(lambda s, b, r: step.update(s, b, r, graphdef=graphdef, tx=tx, cfg=cfg))
+  update = jax.jit(lambda s, b, r: step.update(s, b, r, graphdef=graphdef, tx=tx,
+                                                    cfg=step_config(cfg)))
   compiled = update.lower(state, batch, jax.ShapeDtypeStruct((Bp, 2), f32)).compile()
   return compiled.memory_analysis().temp_size_in_bytes
 

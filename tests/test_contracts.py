@@ -15,10 +15,11 @@ import pytest
 from flax import nnx
 
 from gspo_jax import config as C
-from gspo_jax import sampling, step
+from gspo_jax import optim, sampling, step
 from gspo_jax.models import transformer
 from gspo_jax.models.config import tiny, tiny_moe
 from gspo_jax.sampling import SamplerConfig, sample_groups
+from gspo_jax.programs import step_config
 
 MODEL = tiny(vocab_size=24, hidden=32, mlp_dim=64, num_heads=2, num_kv_heads=1, head_dim=16,
              num_layers=1)
@@ -46,7 +47,8 @@ def setting():
 def trainer_logprobs(setting):
   graphdef, params, prompts, lens, tokens, mask = setting
   rows = step.Batch(prompts, lens, tokens, mask, jnp.zeros_like(mask))
-  fn = jax.jit(functools.partial(step.policy_logprobs, graphdef=graphdef, cfg=cfg_of()))
+  fn = jax.jit(functools.partial(step.policy_logprobs, graphdef=graphdef,
+                                 cfg=step_config(cfg_of())))
   return np.asarray(fn(params, rows=rows)[0])
 
 
@@ -66,7 +68,7 @@ def test_pi_old_is_the_trainers_recomputation_or_the_samplers_as_configured(sett
   rollout = sampler_rollout(tokens, mask)
   sampler_logp = rollout.logp_BxGxT
   prepare = jax.jit(functools.partial(step.prepare, graphdef=graphdef,
-                                      cfg=cfg_of(old_logp=old_logp)))
+                                      cfg=step_config(cfg_of(old_logp=old_logp))))
   old = np.asarray(prepare(params, None, rollout, prompts, lens).old_logp_BxGxT)
   want = trainer_logprobs(setting) * np.asarray(mask) if old_logp == "recompute" else \
       np.asarray(sampler_logp)
@@ -83,7 +85,7 @@ def test_tracked_routing_keeps_the_samplers_pi_old_when_configured(setting):
   graphdef, params = nnx.split(transformer.create(moe, seed=5), nnx.Param)
   rollout = sampler_rollout(tokens, mask)
   cfg = cfg_of(model=moe, routing="track", old_logp="sampler")
-  batch = jax.jit(functools.partial(step.prepare, graphdef=graphdef, cfg=cfg))(
+  batch = jax.jit(functools.partial(step.prepare, graphdef=graphdef, cfg=step_config(cfg)))(
       params, None, rollout, prompts, lens)
   np.testing.assert_array_equal(batch.old_logp_BxGxT, rollout.logp_BxGxT)
   assert [e.shape for e in batch.old_experts] == [(B * G, P + T, moe.experts_per_token)]
@@ -98,7 +100,8 @@ def test_the_kl_term_is_added_to_the_policy_loss(setting):
                     ref_logp_BxGxT=(jnp.asarray(logp) - 0.5) * mask)
   adv = jnp.asarray(np.random.default_rng(2).normal(size=(B, G)), jnp.float32)
   cfg = cfg_of(kl_coef=0.25)
-  loss, m = jax.jit(functools.partial(step.minibatch_loss, graphdef=graphdef, cfg=cfg))(
+  loss, m = jax.jit(functools.partial(step.minibatch_loss, graphdef=graphdef,
+                                      cfg=step_config(cfg)))(
       params, mb=step.Minibatch(rows, adv))
   # Every counted token has log pi_ref - log pi_theta = -0.5: k3 = e^-0.5 + 0.5 - 1.
   np.testing.assert_allclose(m["kl"], np.exp(-0.5) - 0.5, rtol=1e-5)
@@ -117,7 +120,7 @@ def test_a_cold_start_step_raises_the_demonstrations_likelihood(setting):
   loss = sft_loss(params, *batch)
   np.testing.assert_allclose(loss, want, rtol=1e-5)
   assert loss > 0
-  tx = step.sft_optimizer(C.SFTConfig(steps=10, learning_rate=1e-2))
+  tx = optim.sft_optimizer(steps=10, learning_rate=1e-2)
   sft = jax.jit(functools.partial(step.sft_step, graphdef=graphdef, tx=tx))
   p, o = params, tx.init(params)
   for _ in range(3):  # the schedule warms up from 0: the first step does not move

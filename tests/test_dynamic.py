@@ -10,12 +10,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gspo_jax import configlib, dynamic, rundir, sharding, step
+from gspo_jax import configlib, dynamic, optim, rundir, sharding, step
 from gspo_jax import config as C
 from gspo_jax import run as R
 from gspo_jax import train as T
 from gspo_jax.models import transformer
 from gspo_jax.rollout import rollout_step
+from gspo_jax.programs import step_config
 from tests.test_truncation import MODEL, cfg_of, hand_rollout, leaves, prompts_of
 
 
@@ -52,8 +53,9 @@ def policy():
 
 @functools.cache
 def update_program(cfg: C.TrainConfig, graphdef):
-  tx = step.make_optimizer(cfg.optim)
-  return tx, jax.jit(functools.partial(step.update, graphdef=graphdef, tx=tx, cfg=cfg))
+  tx = optim.make_optimizer(cfg.optim)
+  return tx, jax.jit(functools.partial(step.update, graphdef=graphdef, tx=tx,
+                                       cfg=step_config(cfg)))
 
 
 def train(cfg, policy, batch, rewards):
@@ -71,7 +73,7 @@ def test_the_update_trains_on_the_kept_groups_alone_with_one_compile(policy):
                                                                       num_minibatches=2)
   lengths = np.array([[2, 4, 1, 3], [4, 3, 2, 4], [1, 2, 3, 4]])
   truncated = np.zeros((3, 4), bool)
-  prepare = jax.jit(functools.partial(step.prepare, graphdef=policy[0], cfg=dyn))
+  prepare = jax.jit(functools.partial(step.prepare, graphdef=policy[0], cfg=step_config(dyn)))
   batch = prepare(policy[1], None, hand_rollout(lengths, truncated), *prompts_of(3))
   cases = [(np.array([[1, 1, 1, 1], [0, 1, 0, 2], [.5, 0, 0, 0]]), [1, 2], 0.0, 1 / 3),
            (np.array([[1, 1, 1, 1], [0, 1, 0, 2], [2, 2, 2, 2]]), [1, 0], 0.5, 2 / 3)]
@@ -88,7 +90,7 @@ def test_the_update_trains_on_the_kept_groups_alone_with_one_compile(policy):
 
 
 def test_a_run_samples_the_extra_prompts_and_compiles_its_update_once(tmp_path):
-  from tests.test_mismatch_train import cfg_of as run_cfg
+  from tests.test_rollout_correction_train import cfg_of as run_cfg
   # With the rollout correction on too: its weights are the kept groups' (sampler log-probs
   # selected with their groups).
   cfg = run_cfg(rollout=C.RolloutConfig(prompts_per_iter=2, group_size=4, max_new_tokens=4,

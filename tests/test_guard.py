@@ -18,9 +18,10 @@ import pytest
 from flax import nnx
 
 from gspo_jax import config as C
-from gspo_jax import step
+from gspo_jax import optim, step
 from gspo_jax.models import transformer
 from gspo_jax.models.config import tiny
+from gspo_jax.programs import step_config
 
 MODEL = tiny(vocab_size=24, hidden=32, mlp_dim=64, num_heads=2, num_kv_heads=1, head_dim=16,
              num_layers=1)
@@ -68,11 +69,11 @@ def setting():
                     jnp.ones((B, G, T), jnp.float32), jnp.zeros((B, G, T), jnp.float32))
   # pi_old = the current policy: on-policy ratios are 1, nothing is clipped, so the clean
   # step has a nonzero gradient everywhere.
-  old, _ = jax.jit(functools.partial(step.policy_logprobs, graphdef=graphdef, cfg=CFG))(
+  old, _ = jax.jit(functools.partial(step.policy_logprobs, graphdef=graphdef, cfg=step_config(CFG)))(
       params, rows=rows)
   batch = rows.replace(old_logp_BxGxT=old)
   rewards = jnp.asarray(rng.normal(size=(B, G)), jnp.float32)
-  tx = step.make_optimizer(CFG.optim)
+  tx = optim.make_optimizer(CFG.optim)
   state = step.TrainState(params, tx.init(params), jnp.zeros((), jnp.int32), jax.random.key(0))
   return graphdef, tx, state, batch, rewards
 
@@ -84,7 +85,8 @@ def program(setting):
   graphdef, tx = setting[:2]
   with pytest.MonkeyPatch.context() as patch:
     patch.setattr(step, "policy_logprobs", poisoned_policy_logprobs)
-    update = jax.jit(functools.partial(step.update, graphdef=graphdef, tx=tx, cfg=CFG))
+    update = jax.jit(functools.partial(step.update, graphdef=graphdef, tx=tx,
+                                         cfg=step_config(CFG)))
     # Traced and compiled while the patch holds.
     return update.lower(*setting[2:]).compile()
 
@@ -137,7 +139,8 @@ def test_infinite_loss_with_finite_gradient_is_skipped(setting):
   cfg = dataclasses.replace(CFG, kl_coef=0.1)
   ref = batch.old_logp_BxGxT.at[:, :, 0].set(-jnp.inf)  # every row: each minibatch
   batch = batch.replace(ref_logp_BxGxT=ref)
-  program = jax.jit(functools.partial(step.update, graphdef=graphdef, tx=tx, cfg=cfg))
+  program = jax.jit(functools.partial(step.update, graphdef=graphdef, tx=tx,
+                                      cfg=step_config(cfg)))
   new, m = program(jax.tree.map(jnp.copy, state), batch, rewards)
   m = jax.device_get(m)
   assert m["loss"] == np.inf and np.isfinite(m["grad_norm"]) and m["grad_norm"] > 0

@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from gspo_jax import losses, sharding
+from gspo_jax import losses, optim, sharding
 from gspo_jax.models import config, transformer
 from gspo_jax.multiturn import envs
 from gspo_jax.multiturn import sampler as S
@@ -23,6 +23,7 @@ from gspo_jax.multiturn.envs import EnvError, EnvStep, LoadedEnv
 from gspo_jax.multiturn.episodes import run_episodes
 from gspo_jax.tasks.base import Example
 from gspo_jax.teacher_forcing import response_logprobs
+from gspo_jax.programs import step_config
 from tests.multiturn_helpers import EOS, TOK, ScriptedEnv, episode_cfg
 
 CFG = episode_cfg()
@@ -333,15 +334,16 @@ def test_update_with_turn_credit_is_gspo_on_one_turn_and_differs_on_several(prog
   base = C.TrainConfig(model=config.tiny(), rollout=C.RolloutConfig(
       prompts_per_iter=B, group_size=G, max_new_tokens=T, max_prompt_len=8),
       sft=C.SFTConfig(steps=0), optim=C.OptimConfig(learning_rate=1e-3), num_minibatches=2)
-  tx = step.make_optimizer(base.optim)
+  tx = optim.make_optimizer(base.optim)
 
   def one_update(cfg, ep, rewards):
     state = step.TrainState(programs.params, tx.init(programs.params), jnp.zeros((), jnp.int32),
                             jax.random.key(0))
     batch = step.prepare(programs.params, None, ep.as_rollout(), *prompts(),
-                         graphdef=programs.gd, cfg=cfg)
+                         graphdef=programs.gd, cfg=step_config(cfg))
     batch = batch.replace(turn_BxGxT=ep.turn_BxGxT)
-    update = jax.jit(lambda s, b, r: step.update(s, b, r, graphdef=programs.gd, tx=tx, cfg=cfg))
+    update = jax.jit(lambda s, b, r: step.update(s, b, r, graphdef=programs.gd, tx=tx,
+                                                    cfg=step_config(cfg)))
     return update(state, batch, jnp.asarray(rewards))[0].params
 
   turn_cfg = dataclasses.replace(base, loss="gspo_token",

@@ -13,6 +13,7 @@ from gspo_jax import config as C
 from gspo_jax import run as R
 from gspo_jax.models.config import tiny, tiny_moe
 from gspo_jax.rollout import rollout_step
+from gspo_jax.programs import step_config
 
 
 def moe_cfg(**kw) -> C.TrainConfig:
@@ -47,7 +48,8 @@ def rolled(run):
 
 def forward(run, params, batch, replay=None):
   """pi_theta's teacher-forced log-probs (rows B*G x T) and RouterInfo."""
-  logp, router = step.policy_logprobs(params, run.graphdef, batch, run.cfg, replay=replay)
+  logp, router = step.policy_logprobs(params, run.graphdef, batch, step_config(run.cfg),
+                                       replay=replay)
   return logp.reshape(-1, logp.shape[-1]), router
 
 
@@ -98,9 +100,9 @@ def test_track_reports_changed_routing_and_replay_removes_it(run, configured, ro
   replay = configured(dataclasses.replace(run.cfg, routing="replay"))
   from gspo_jax.advantages import group_advantages
   mb = step.Minibatch(batch, group_advantages(rewards))
-  loss, metrics = step.minibatch_loss(new.params, run.graphdef, mb, replay.cfg)
+  loss, metrics = step.minibatch_loss(new.params, run.graphdef, mb, step_config(replay.cfg))
   loss_free, _ = step.minibatch_loss(new.params, run.graphdef, mb,
-                                     dataclasses.replace(run.cfg, routing="free"))
+                                     step_config(dataclasses.replace(run.cfg, routing="free")))
   want, _ = losses.LOSSES[run.cfg.loss](forced, flat(batch.old_logp_BxGxT),
                                         mb.adv_bxg.reshape(-1), mask, **run.cfg.loss_kwargs())
   np.testing.assert_allclose(float(loss), float(want), rtol=1e-6)
@@ -148,7 +150,7 @@ def test_bfloat16_sampler_feeds_its_own_log_probs_as_pi_old(run):
   assert "bf16" in hlo
   assert {str(x.dtype) for x in jax.tree.leaves(r.state.params)} == {"float32"}
   batch, _ = rollout(r)
-  recomputed = flat(step.policy_logprobs(r.state.params, r.graphdef, batch, cfg)[0])
+  recomputed = flat(step.policy_logprobs(r.state.params, r.graphdef, batch, step_config(cfg))[0])
   mask = flat(batch.mask_BxGxT)
   gap = np.abs(np.asarray(flat(batch.old_logp_BxGxT) - recomputed * mask))[np.asarray(mask) > 0]
   # pi_old is the bf16 sampler's: close to the float32 trainer's, but not equal.
@@ -166,9 +168,8 @@ def test_replayed_update_sharded_equals_single_device(run, configured, rolled, t
   cfg = dataclasses.replace(single.cfg, mesh=sharding.MeshConfig(data=2, fsdp=2, num_devices=4))
   sharded = R.setup(cfg, str(tmp_path))
   sharded.state = jax.device_put(jax.device_get(run.state), sharded.layout.state)
-  got_state, got_m = sharded.programs.update(sharded.state,
-                                             jax.device_put(jax.device_get(batch),
-                                                            sharded.layout.batch),
+  split_batch = jax.device_put(jax.device_get(batch), sharded.layout.batch)
+  got_state, got_m = sharded.programs.update(sharded.state, split_batch,
                                              jax.device_put(rewards, sharded.layout.rows(2)))
   for k in ("loss", "ratio_max", "clip_frac_token"):
     np.testing.assert_allclose(float(got_m[k]), float(want_m[k]), rtol=1e-5, atol=1e-7)
@@ -176,8 +177,8 @@ def test_replayed_update_sharded_equals_single_device(run, configured, rolled, t
   # turns f32 reduction-order noise into visible parameter differences (see test_sharded_train).
   for a, b in zip(jax.tree.leaves(got_state.params), jax.tree.leaves(want_state.params)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=0.01 * cfg.optim.learning_rate)
-  assert got_state.params is not None and sharded.layout.batch.old_experts[0].spec[0] == ("data",
-                                                                                          "fsdp")
+  assert got_state.params is not None
+  assert split_batch.old_experts[0].sharding.spec[0] == ("data", "fsdp")
 
 
 # -- Rollout Routing Replay (R3): the sampler's own expert choices -------------------------
@@ -258,7 +259,7 @@ def test_bfloat16_sampler_choices_are_replayed_in_training(run):
   rewards = jnp.asarray(np.random.default_rng(1).normal(size=r.rewards_BxG.shape), jnp.float32)
   from gspo_jax.advantages import group_advantages
   mb = step.Minibatch(batch, group_advantages(rewards))
-  loss, _ = step.minibatch_loss(params, r3.graphdef, mb, r3.cfg)
+  loss, _ = step.minibatch_loss(params, r3.graphdef, mb, step_config(r3.cfg))
   want, _ = losses.LOSSES[r3.cfg.loss](forced, flat(batch.old_logp_BxGxT), mb.adv_bxg.reshape(-1),
                                        mask, **r3.cfg.loss_kwargs())
   np.testing.assert_allclose(float(loss), float(want), rtol=1e-6)

@@ -14,10 +14,11 @@ import pytest
 from flax import nnx
 
 from gspo_jax import config as C
-from gspo_jax import configlib, lengths, losses, rng, sampling, step
+from gspo_jax import configlib, lengths, losses, optim, rng, sampling, step
 from gspo_jax.advantages import group_advantages
 from gspo_jax.models import transformer
 from gspo_jax.models.config import tiny
+from gspo_jax.programs import step_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = tiny(vocab_size=24, hidden=32, mlp_dim=64, num_heads=2, num_kv_heads=1, head_dim=16)
@@ -67,9 +68,10 @@ def prompts_of(B):
 @functools.cache
 def programs(cfg: C.TrainConfig, graphdef):
   """Compiled once per config for the whole module (equal configs share them)."""
-  tx = step.make_optimizer(cfg.optim)
-  prepare = jax.jit(functools.partial(step.prepare, graphdef=graphdef, cfg=cfg))
-  update = jax.jit(functools.partial(step.update, graphdef=graphdef, tx=tx, cfg=cfg))
+  tx = optim.make_optimizer(cfg.optim)
+  prepare = jax.jit(functools.partial(step.prepare, graphdef=graphdef, cfg=step_config(cfg)))
+  update = jax.jit(functools.partial(step.update, graphdef=graphdef, tx=tx,
+                                     cfg=step_config(cfg)))
   return tx, prepare, update
 
 
@@ -78,7 +80,7 @@ def minibatch_grad(cfg: C.TrainConfig, graphdef):
   """jax.grad of `step.minibatch_loss` (params, Minibatch) -> (grads, metrics), jitted:
   run eagerly, every op of the model's backward pass would compile on its own."""
   grad = jax.grad(step.minibatch_loss, has_aux=True)
-  return jax.jit(lambda params, mb: grad(params, graphdef, mb, cfg))
+  return jax.jit(lambda params, mb: grad(params, graphdef, mb, step_config(cfg)))
 
 
 def train_once(cfg, policy, rollout, rewards_BxG):
@@ -200,7 +202,7 @@ def update_before(state, batch, rewards_BxG, *, graphdef, tx, cfg):
   as they were; dense model, no reference)."""
 
   def minibatch_loss(params, graphdef, mb, cfg):
-    logp, _ = step.policy_logprobs(params, graphdef, mb.rows, cfg)
+    logp, _ = step.policy_logprobs(params, graphdef, mb.rows, step_config(cfg))
     flat = lambda x: x.reshape(-1, x.shape[-1])
     mask = flat(mb.rows.mask_BxGxT)
     return losses.LOSSES[cfg.loss](flat(logp), flat(mb.rows.old_logp_BxGxT),
@@ -216,12 +218,12 @@ def update_before(state, batch, rewards_BxG, *, graphdef, tx, cfg):
     new_params = optax.apply_updates(params, updates)
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
     metrics = {**metrics, "grad_norm": grad_norm, "skipped_updates": 1.0 - finite,
-               "learning_rate": step.current_lr(opt_state)}
+               "learning_rate": optim.current_lr(opt_state)}
     return (keep(new_params, params), keep(new_opt, opt_state)), metrics
 
   adv_BxG = group_advantages(rewards_BxG)
   key = rng.device_key(state.key, state.step, "minibatch")
-  minibatches = step.split_minibatches(key, batch, adv_BxG, cfg, None)
+  minibatches = step.split_minibatches(key, batch, adv_BxG, step_config(cfg), None)
   (params, opt_state), metrics = jax.lax.scan(apply_step, (state.params, state.opt_state),
                                               minibatches)
   summary = {k: jnp.mean(v) for k, v in metrics.items()}

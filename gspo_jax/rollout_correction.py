@@ -16,16 +16,68 @@ but their reported log-probs do not, and these weights do not correct for the fi
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Literal
+
 import jax
 import jax.numpy as jnp
 
 from gspo_jax import _checks
 from gspo_jax.loss_blocks import Array, Metrics, row_lengths, token_log_ratio
 
-__all__ = ["LEVELS", "MODES", "off_policy_sequence_mask", "rollout_correction"]
+__all__ = ["LEVELS", "MODES", "RolloutCorrectionConfig", "off_policy_sequence_mask",
+           "rollout_correction"]
 
 LEVELS = ("token", "sequence", "geometric")
 MODES = ("truncate", "mask")
+CORRECTION_LEVELS = ("none", *LEVELS)
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutCorrectionConfig:
+  """Importance weights w = pi_old / pi_sampler on each token of the loss and the KL term
+  (`rollout_correction`: TIS truncates, MIS / IcePop masks), for a sampler that
+  differs from the trainer (e.g. rollout.sampler_dtype=bfloat16). pi_old is the trainer's
+  recomputed forward, so this needs old_logp="recompute". Also DeepSeek-V3.2's off-policy
+  sequence mask (`off_policy_sequence_mask`), on its own switch."""
+  level: Literal["none", "token", "sequence", "geometric"] = "none"   # "none" = off
+  mode: Literal["truncate", "mask"] = "truncate"
+  threshold: float = 2.0            # C: truncate at it, or mask above it
+  threshold_low: float | None = None   # mode="mask" only: mask below it (None = 1 / threshold)
+  # delta: drop responses with A < 0 whose mean log(pi_sampler / pi_theta) exceeds it; 0 = off.
+  off_policy_threshold: float = 0.0
+
+  def __post_init__(self):
+    _checks.check_choice("config", "rollout_correction.level", self.level, CORRECTION_LEVELS)
+    _checks.check_choice("config", "rollout_correction.mode", self.mode, MODES)
+    if not self.threshold > 0:
+      raise ValueError(f"rollout_correction.threshold must be > 0; got {self.threshold}")
+    if self.threshold_low is not None:
+      if self.mode != "mask":
+        raise ValueError("rollout_correction.threshold_low applies to rollout_correction."
+                         f"mode='mask' (truncation caps from above only); mode is {self.mode!r}")
+      if not 0 < self.threshold_low < self.threshold:
+        raise ValueError(f"rollout_correction.threshold_low must be in (0, rollout_correction."
+                         f"threshold={self.threshold}); got {self.threshold_low}")
+    if self.level == "none":
+      default = RolloutCorrectionConfig.__dataclass_fields__
+      for name in ("mode", "threshold", "threshold_low"):
+        if getattr(self, name) != default[name].default:
+          raise ValueError(f"rollout_correction.{name} applies when rollout_correction.level "
+                           f"is set (token, sequence or geometric); level is 'none'")
+    if not self.off_policy_threshold >= 0:
+      raise ValueError("rollout_correction.off_policy_threshold must be >= 0 (0 = off); "
+                       f"got {self.off_policy_threshold}")
+
+  @property
+  def weights(self) -> bool:
+    """Whether the update multiplies the loss by rollout-correction weights."""
+    return self.level != "none"
+
+  @property
+  def needs_sampler_logp(self) -> bool:
+    """Whether the batch keeps the sampler's log-probs next to the recomputed pi_old."""
+    return self.weights or self.off_policy_threshold > 0
 
 
 def rollout_correction(old_logp_BxT: Array, sampler_logp_BxT: Array, mask_BxT: Array, *,

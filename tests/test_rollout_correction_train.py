@@ -1,4 +1,4 @@
-"""Rollout correction in the train step (`rollout_correction.*`, gspo_jax/mismatch.py wired
+"""Rollout correction in the train step (`rollout_correction.*`, gspo_jax/rollout_correction.py wired
 through step.prepare / step.update): the batch keeps the sampler's log-probs next to the
 recomputed pi_old, weights exactly 1 change nothing, mask mode removes tokens from
 numerators and denominators (by hand, through the minibatch loss and the update), a
@@ -20,6 +20,7 @@ from gspo_jax import run as R
 from gspo_jax import train as T
 from gspo_jax.models.config import tiny
 from gspo_jax.rollout import rollout_step
+from gspo_jax.programs import step_config
 
 RC = C.RolloutCorrectionConfig
 
@@ -61,15 +62,15 @@ def update(run, batch, rewards):
 
 def test_the_batch_keeps_the_sampler_log_probs_only_when_asked(run):
   batch, _ = rollout(run)
-  assert batch.sampler_logp_BxGxT is not None and run.layout.batch.sampler_logp_BxGxT is not None
+  assert batch.sampler_logp_BxGxT is not None
   off = run.reconfigure(cfg_of(rollout_correction=RC()))
-  assert rollout(off)[0].sampler_logp_BxGxT is None and off.layout.batch.sampler_logp_BxGxT is None
+  assert rollout(off)[0].sampler_logp_BxGxT is None
   # A float32 sampler is the trainer's policy: its log-probs equal the recomputed pi_old up
   # to the rounding of a decode step against a teacher-forced forward.
   mask = flat(batch.mask_BxGxT) > 0
   gap = np.abs(flat(batch.sampler_logp_BxGxT) - flat(batch.old_logp_BxGxT))[mask]
   assert gap.max() < 1e-5
-  w, m = step.correction_weights(batch, run.cfg)
+  w, m = step.correction_weights(batch, step_config(run.cfg))
   np.testing.assert_allclose(np.asarray(w)[np.asarray(batch.mask_BxGxT) > 0], 1.0, atol=1e-5)
   assert float(m["rollout_corr_frac"]) == 0.0
 
@@ -79,7 +80,7 @@ def test_weights_of_exactly_one_leave_the_step_unchanged(run):
   # sampler = pi_old exactly: every weight is 1.0 and the update is the one without
   # correction, bit for bit (x * 1.0 is exact).
   exact = batch.replace(sampler_logp_BxGxT=batch.old_logp_BxGxT)
-  w, _ = step.correction_weights(exact, run.cfg)
+  w, _ = step.correction_weights(exact, step_config(run.cfg))
   assert set(np.unique(np.asarray(w)[np.asarray(batch.mask_BxGxT) > 0])) == {1.0}
   on, m_on = update(run, exact, rewards)
   off_run = run.reconfigure(cfg_of(rollout_correction=RC()))
@@ -108,7 +109,7 @@ def test_mask_mode_removes_tokens_from_numerators_and_denominators(run):
   drop[1, 0, 1] = mask[1, 0, 1]
   sampler = batch.old_logp_BxGxT - math.log(3.0) * drop
   b_rc = batch.replace(sampler_logp_BxGxT=sampler)
-  w, rc = step.correction_weights(b_rc, cfg)
+  w, rc = step.correction_weights(b_rc, step_config(cfg))
   np.testing.assert_array_equal(np.asarray(w), mask * (1 - drop))
   assert float(rc["rollout_corr_frac"]) == pytest.approx(drop.sum() / mask.sum())
   # The minibatch loss at theta = theta_old (ratios 1): token-mean GRPO is
@@ -117,7 +118,7 @@ def test_mask_mode_removes_tokens_from_numerators_and_denominators(run):
   kept = mask * (1 - drop)
   want = -np.sum(kept * adv[..., None]) / kept.sum()
   mb = step.Minibatch(b_rc, jnp.asarray(adv), w)
-  loss, _ = step.minibatch_loss(run.state.params, run.graphdef, mb, cfg)
+  loss, _ = step.minibatch_loss(run.state.params, run.graphdef, mb, step_config(cfg))
   assert float(loss) == pytest.approx(want, rel=1e-5)
   assert abs(want - (-np.sum(mask * adv[..., None]) / mask.sum())) > 1e-3   # dropping matters
   # The update equals the one where those tokens were never counted (mask zeroed there).
@@ -136,7 +137,7 @@ def test_a_bfloat16_sampler_gives_weights_away_from_one(run):
                rollout_correction=RC(level="token", mode="mask", threshold=1.02))
   bf16 = run.reconfigure(cfg)
   batch, rewards = rollout(bf16)
-  w, rc = step.correction_weights(batch, cfg)
+  w, rc = step.correction_weights(batch, step_config(cfg))
   w, mask = np.asarray(w), np.asarray(batch.mask_BxGxT) > 0
   # pi_old (float32 trainer) != pi_sampler (bfloat16): weights leave 1, and the tokens
   # outside [1/1.02, 1.02] get weight 0.
@@ -161,15 +162,15 @@ def test_off_policy_mask_drops_negative_far_rows(run):
   sampler = batch.old_logp_BxGxT + far * np.asarray(batch.mask_BxGxT)
   rewards = jnp.asarray([[1.0, -1.0, 0.5, -0.5]] * 4, jnp.float32)
   mb = step.Minibatch(batch.replace(sampler_logp_BxGxT=sampler), step.group_advantages(rewards))
-  _, m = step.minibatch_loss(run.state.params, run.graphdef, mb, cfg)
+  _, m = step.minibatch_loss(run.state.params, run.graphdef, mb, step_config(cfg))
   assert float(m["off_policy_masked_frac"]) == pytest.approx(2 / 16)   # rows (0, 1), (0, 3)
   keep = np.ones((4, 4), np.float32)
   keep[0, [1, 3]] = 0
   plain = dataclasses.replace(cfg, rollout_correction=RC())
   dropped = batch.replace(mask_BxGxT=batch.mask_BxGxT * keep[..., None])
   want, _ = step.minibatch_loss(run.state.params, run.graphdef,
-                                step.Minibatch(dropped, mb.adv_bxg), plain)
-  loss, _ = step.minibatch_loss(run.state.params, run.graphdef, mb, cfg)
+                                step.Minibatch(dropped, mb.adv_bxg), step_config(plain))
+  loss, _ = step.minibatch_loss(run.state.params, run.graphdef, mb, step_config(cfg))
   assert float(loss) == pytest.approx(float(want), rel=1e-6)
 
 
