@@ -38,7 +38,8 @@ def assert_first_step_close(got, want, g, g_tol, lr, rtol=1e-6, err_msg=""):
   assert np.all(np.abs(got - want) <= bound), (
       f"{err_msg}: entry {np.unravel_index(worst, want.shape)} differs by "
       f"{abs(got - want).flat[worst]:.3g} > bound {bound.flat[worst]:.3g} "
-      f"(gradient {np.ravel(g)[worst]:.3g} +- {np.ravel(np.broadcast_to(g_tol, want.shape))[worst]:.3g})")
+      f"(gradient {np.ravel(g)[worst]:.3g} +- "
+      f"{np.ravel(np.broadcast_to(g_tol, want.shape))[worst]:.3g})")
 
 
 def max_step(steps, b1=0.9, b2=0.99):
@@ -70,3 +71,27 @@ def assert_steps_close(got_leaves, want_leaves, lr, steps, rtol, atol, loose_fra
   assert total and loose <= loose_frac * total, (
       f"{loose} of {total} parameters differ beyond rtol={rtol}, atol={atol} "
       f"(at most {loose_frac:.0%} may, at float32 gradient noise)")
+
+
+def assert_first_step_states_close(got, want, lr, rtol=1e-5, atol=1e-6, b1=0.9):
+  """Two TrainStates one Adam step from the same parameters and a fresh optimizer state.
+  Adam's first moment is then (1 - b1) * the clipped gradient, so the gradients are
+  compared tightly through it (rtol, and atol relative to the largest |mu|); the
+  parameters then within `first_step_bound` of that gradient tolerance."""
+  import jax
+  import optax
+  mu = lambda s: [np.asarray(x, np.float64) for x in
+                  jax.tree.leaves(optax.tree_utils.tree_get(s.opt_state, "mu"))]
+  for s in (got, want):  # the bound holds for a first step only
+    counts = optax.tree_utils.tree_get_all_with_path(s.opt_state, "count")
+    assert counts and all(int(c) == 1 for _, c in counts), counts
+  mu_got, mu_want = mu(got), mu(want)
+  scale = max(np.abs(x).max() for x in mu_want)
+  for i, (a, b) in enumerate(zip(mu_got, mu_want)):
+    np.testing.assert_allclose(a, b, rtol=rtol, atol=atol * scale, err_msg=f"mu leaf {i}")
+  p_got, p_want = jax.tree.leaves(got.params), jax.tree.leaves(want.params)
+  assert len(p_got) == len(p_want) == len(mu_want)
+  for i, (a, b, m) in enumerate(zip(p_got, p_want, mu_want)):
+    g_tol = (rtol * np.abs(m) + atol * scale) / (1 - b1)
+    assert_first_step_close(np.asarray(a), np.asarray(b), m / (1 - b1), g_tol, lr,
+                            err_msg=f"param leaf {i}")
