@@ -284,6 +284,8 @@ def test_multiturn_config_refuses_what_it_does_not_support():
                   rollout=C.RolloutConfig(oversample=8))
   with pytest.raises(ValueError, match=r"does not support truncation='mask'/'overlong'"):
     C.TrainConfig(multiturn=on, loss="gspo_token", truncation="mask")
+  with pytest.raises(ValueError, match=r"does not support rollout.compact_rows"):
+    C.TrainConfig(multiturn=on, loss="gspo_token", rollout=C.RolloutConfig(compact_rows=6))
   with pytest.raises(ValueError, match="multiturn.\\* settings apply to multi-turn episodes"):
     C.TrainConfig(multiturn=C.MultiTurnConfig(max_turns=2))
   with pytest.raises(ValueError, match="multiturn.max_obs_tokens must be an int >= 1"):
