@@ -461,3 +461,27 @@ def test_a_second_ctrl_c_stops_at_once_and_hosts_agree(monkeypatch):
   monkeypatch.setattr(multihost_utils, "process_allgather",
                       lambda x: np.asarray([int(x), signal.SIGTERM]))
   assert T._Signals().requested() == signal.SIGTERM
+
+
+def test_a_fresh_start_retrains_a_tokenizer_left_by_a_start_that_never_began(tmp_path):
+  # A start refused at setup (or killed before its cold start ended) saved no config and
+  # no checkpoint: its tokenizer.model, maybe of another task or vocab, is not the run's.
+  from gspo_jax import run as R
+  from gspo_jax.tokenizer import SentencePieceTokenizer
+  from tests.test_train import tiny_cfg
+  cfg = tiny_cfg()
+  task = R.make_task(cfg)
+  stale = SentencePieceTokenizer.train([f"{a} apples and {a} pears" for a in range(500)],
+                                       vocab_size=40)
+  fresh_dir, run_dir = tmp_path / "fresh", tmp_path / "run"
+  want, trained = R.make_tokenizer(task, cfg, str(fresh_dir))
+  assert trained
+  stale.save(run_dir)
+  got, trained = R.make_tokenizer(task, cfg, str(run_dir))
+  assert trained and got.vocab_size == want.vocab_size != stale.vocab_size
+  assert (run_dir / "tokenizer.model").read_bytes() == (fresh_dir / "tokenizer.model").read_bytes()
+  # Once the run has started (its config saved), resume and evaluation load its own.
+  stale.save(run_dir)
+  rundir.save_config(str(run_dir), cfg, previous_step=0)
+  got, trained = R.make_tokenizer(task, cfg, str(run_dir))
+  assert not trained and got.vocab_size == stale.vocab_size
