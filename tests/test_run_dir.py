@@ -4,6 +4,7 @@ starts and resumes leave the directory byte for byte unchanged; metrics.jsonl ho
 step once and parses; a damaged newest checkpoint falls back; every setting is checked
 before any work."""
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -299,6 +300,16 @@ def test_resume_diff_classifies_fields():
                        ("model.hidden=64", "model's shape")]:
     with pytest.raises(rundir.RunDirError, match=what):
       rundir.check_resume(saved, T.configlib.apply_overrides(saved, [change]), print)
+  # What defines the task and its rewards: the chain's length, a multi-turn environment.
+  chain = dataclasses.replace(saved, task="chain", task_digits=1, task_steps=3,
+                              rollout=C.RolloutConfig(max_new_tokens=64))
+  with pytest.raises(rundir.RunDirError, match=r"task_steps: saved 3, requested 5 \(the task"):
+    rundir.check_resume(chain, dataclasses.replace(chain, task_steps=5), print)
+  env = dataclasses.replace(saved, loss="gspo_token", multiturn=C.MultiTurnConfig(env="calculator"))
+  other = dataclasses.replace(
+      env, multiturn=C.MultiTurnConfig(env="tests.multiturn_helpers:ScriptedEnv"))
+  with pytest.raises(rundir.RunDirError, match=r"multiturn.env: saved 'calculator'.*environment"):
+    rundir.check_resume(env, other, print)
   # A pretrained run's model comes from its directory: compared through `pretrained`.
   a = C.TrainConfig(pretrained="some/dir", model=tiny(vocab_size=99))
   assert rundir.config_diff(a, C.TrainConfig(pretrained="some/dir")) == {}
