@@ -142,12 +142,24 @@ def check_fits(task, tok, cfg: TrainConfig) -> None:
     fits(tok, cfg.rollout.max_new_tokens, cfg.rollout.max_prompt_len)
 
 
+def check_env(cfg: TrainConfig) -> None:
+  """A multi-turn environment that does not load is found before any work (the episode
+  sampler would load it only after the cold start)."""
+  if cfg.multiturn.env:
+    from gspo_jax.multiturn import envs
+    try:
+      envs.load_env(cfg.multiturn.env)
+    except ValueError as e:
+      raise ValueError(f"multiturn.env={cfg.multiturn.env!r}: {e}") from e
+
+
 def setup(cfg: TrainConfig, run_dir: str) -> Run:
   """Mesh, task, tokenizer, the sharded model and optimiser state, the compiled programs."""
   from gspo_jax.models.transformer import Transformer
   mesh = sharding.make_mesh(cfg.mesh)
   check_layout(cfg, mesh)
   checkpoint.check_writable(run_dir)
+  check_env(cfg)
   task = make_task(cfg)
   if cfg.pretrained:
     from gspo_jax.hf_tokenizer import load_tokenizer

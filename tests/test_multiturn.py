@@ -361,3 +361,13 @@ def test_update_with_turn_credit_is_gspo_on_one_turn_and_differs_on_several(prog
   want = one_update(gspo_cfg, result.episodes, result.rewards_BxG)
   got = one_update(turn_cfg, result.episodes, result.turn_rewards_BxGxK)  # turn k earns k + 1
   assert gap(got, want) > 1e-3
+
+
+def test_an_environment_that_does_not_load_stops_setup_before_any_work(tmp_path, monkeypatch):
+  from gspo_jax import config as C
+  from gspo_jax import run as R
+  monkeypatch.setattr(R, "make_task", lambda cfg: pytest.fail("setup went on"))
+  cfg = C.TrainConfig(multiturn=C.MultiTurnConfig(env="nope.py:Env"), loss="gspo_token")
+  with pytest.raises(ValueError, match=r"multiturn.env='nope.py:Env'"):
+    R.setup(cfg, str(tmp_path))
+  assert list(tmp_path.iterdir()) == []
