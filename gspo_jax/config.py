@@ -326,6 +326,8 @@ def check_multiturn(cfg: TrainConfig) -> None:
     return
   refused = {"rollout.oversample": cfg.rollout.oversample != 0,
              "rollout.sampler_dtype": cfg.rollout.sampler_dtype != "",
+             # the episode sampler decodes every row to the end: it never compacts
+             "rollout.compact_rows": cfg.rollout.compact_rows != 0,
              "routing='rollout_replay'": cfg.routing == "rollout_replay"}
   if mt.turn_credit:  # per-token advantages: these read one advantage per sequence
     refused.update({"truncation='mask'/'overlong'": cfg.truncation != "count",

@@ -160,6 +160,24 @@ def run_evaluation(args) -> dict:
   return report
 
 
+def check_args(parser: argparse.ArgumentParser, args) -> None:
+  """Refuse bad flags by their names before a checkpoint is loaded (the sampler would
+  name its own field, or silently raise --n to --k)."""
+  if args.k < 0:
+    parser.error(f"--k must be >= 0 (0 = greedy only); got {args.k}")
+  if args.n is not None and not args.k:
+    parser.error("--n (samples per prompt) needs --k >= 1")
+  if args.n is not None and args.n < args.k:
+    parser.error(f"--n must be >= --k (pass@k draws k of n samples); got --n {args.n} "
+                 f"--k {args.k}")
+  for flag in ("size", "step"):
+    value = getattr(args, flag)
+    if value is not None and value < (1 if flag == "size" else 0):
+      parser.error(f"--{flag} must be >= {1 if flag == 'size' else 0}; got {value}")
+  if args.examples < 0:
+    parser.error(f"--examples must be >= 0; got {args.examples}")
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description="Held-out accuracy (greedy) and pass@k of a "
                                    "training run's checkpoint")
@@ -177,6 +195,7 @@ def main(argv=None):
   parser.add_argument("--examples", type=int, default=4, help="example completions in the report")
   parser.add_argument("--out", default=None, help="JSON report (default: <run>/eval_step<N>.json)")
   args = parser.parse_args(argv)
+  check_args(parser, args)
   report = run_evaluation(args)
   line = (f"step {report['step']}: held-out accuracy {report['accuracy']:.3f}, "
           f"reward {report['reward']:.3f} on {report['prompts']} problems")

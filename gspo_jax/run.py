@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gspo_jax import checkpoint, configlib, rng, sharding, text
+from gspo_jax import checkpoint, configlib, rng, rundir, sharding, text
 from gspo_jax.config import TrainConfig, check_positions, check_routing
 from gspo_jax.models.config import EXECUTION_FIELDS
 from gspo_jax.optim import make_optimizer, sft_optimizer
@@ -84,18 +84,29 @@ def with_chat_template(task, tok, cfg: TrainConfig):
   return task if render is None else task.with_renderer(render)
 
 
+def run_started(run_dir: str) -> bool:
+  """Whether a run in `run_dir` has started: gspo_jax/train.py saves its config once the
+  cold start is done or a checkpoint restored (checkpoints without a config: an older run)."""
+  return (os.path.exists(os.path.join(run_dir, rundir.CONFIG))
+          or bool(checkpoint.complete_steps(os.path.join(run_dir, "checkpoints"))))
+
+
 def make_tokenizer(task, cfg: TrainConfig, run_dir: str):
-  """Train the task tokenizer (or load the run's own on resume), saved next to the run."""
+  """(tokenizer, trained): the run's own `tokenizer.model` once the run has started (resume,
+  evaluation), else trained from the task and seed and saved there (trained = True). A
+  tokenizer left by a start that never got that far is not reused: it may be of another
+  task or vocab_size, and would bring back the error that stopped that start."""
   from gspo_jax.tokenizer import SentencePieceTokenizer
   path = os.path.join(run_dir, "tokenizer.model")
-  if not os.path.exists(path) and jax.process_index() == 0:
+  trained = not run_started(run_dir)
+  if trained and jax.process_index() == 0:
     corpus = task.corpus(rng.host_rng(cfg.seed, "tokenizer_corpus"), 20_000)
     SentencePieceTokenizer.train(corpus, vocab_size=cfg.model.vocab_size).save(run_dir)
   sharding.barrier("tokenizer")  # multi-host: the run directory must be shared by all hosts
   if not os.path.exists(path):
     raise ValueError(f"process {jax.process_index()} cannot see {path}: in multi-host runs the "
                      "run directory must be on a filesystem every host shares")
-  return SentencePieceTokenizer.load(run_dir)
+  return SentencePieceTokenizer.load(run_dir), trained
 
 
 def check_prompts(task, tok, cfg: TrainConfig) -> None:
@@ -128,12 +139,24 @@ def check_fits(task, tok, cfg: TrainConfig) -> None:
     fits(tok, cfg.rollout.max_new_tokens, cfg.rollout.max_prompt_len)
 
 
+def check_env(cfg: TrainConfig) -> None:
+  """A multi-turn environment that does not load is found before any work (the episode
+  sampler would load it only after the cold start)."""
+  if cfg.multiturn.env:
+    from gspo_jax.multiturn import envs
+    try:
+      envs.load_env(cfg.multiturn.env)
+    except ValueError as e:
+      raise ValueError(f"multiturn.env={cfg.multiturn.env!r}: {e}") from e
+
+
 def setup(cfg: TrainConfig, run_dir: str) -> Run:
   """Mesh, task, tokenizer, the sharded model and optimiser state, the compiled programs."""
   from gspo_jax.models.transformer import Transformer
   mesh = sharding.make_mesh(cfg.mesh)
   check_layout(cfg, mesh)
   checkpoint.check_writable(run_dir)
+  check_env(cfg)
   task = make_task(cfg)
   if cfg.pretrained:
     from gspo_jax.hf_tokenizer import load_tokenizer
@@ -150,9 +173,15 @@ def setup(cfg: TrainConfig, run_dir: str) -> Run:
     cfg = dataclasses.replace(cfg, model=model.cfg)
     check_routing(cfg)
   else:
-    tok = make_tokenizer(task, cfg, run_dir)
-    check_prompts(task, tok, cfg)
-    check_fits(task, tok, cfg)
+    tok, trained = make_tokenizer(task, cfg, run_dir)
+    try:
+      check_prompts(task, tok, cfg)
+      check_fits(task, tok, cfg)
+    except ValueError:
+      # A refused start leaves the run directory as it was (process 0 wrote the file).
+      if trained and jax.process_index() == 0:
+        os.remove(os.path.join(run_dir, "tokenizer.model"))
+      raise
     model = sharding.init_sharded(Transformer, cfg.model, mesh, cfg.seed)
   if tok.vocab_size > cfg.model.vocab_size:
     raise ValueError(f"tokenizer has {tok.vocab_size} ids > model.vocab_size={cfg.model.vocab_size}")

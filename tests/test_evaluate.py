@@ -35,3 +35,19 @@ def test_pass_at_k_rejects_bad_arguments():
     pass_at_k(4, 1, 5)
   with pytest.raises(ValueError, match=r"\[0, n=4\]"):
     pass_at_k(4, 5, 2)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--k", "8", "--n", "4"], "--n must be >= --k"),
+    (["--k", "-1"], "--k must be >= 0"),
+    (["--n", "4"], "--n (samples per prompt) needs --k >= 1"),
+    (["--size", "0"], "--size must be >= 1"),
+    (["--examples", "-2"], "--examples must be >= 0"),
+])
+def test_evaluate_cli_refuses_bad_flags_by_name_before_loading(tmp_path, monkeypatch, capsys,
+                                                               flags, message):
+  from gspo_jax import evaluate
+  monkeypatch.setattr(evaluate, "run_evaluation", lambda args: pytest.fail("loaded the run"))
+  with pytest.raises(SystemExit):
+    evaluate.main(["--run", str(tmp_path), *flags])
+  assert message in capsys.readouterr().err

@@ -13,6 +13,7 @@ from gspo_jax.config import OptimConfig, RolloutConfig, SFTConfig, TrainConfig
 from gspo_jax.models.config import tiny
 from gspo_jax.rollout import rollout_step
 from gspo_jax.run import setup
+from tests import adam_bounds
 
 
 @pytest.fixture(scope="module")
@@ -61,5 +62,9 @@ def test_one_fused_iteration_equals_one_phased_iteration(run):
   new_state, metrics = fused.make_fused_iteration(run)(state, prompts, lens, answer, answer_lens)
   assert int(new_state.step) == 1 and np.isfinite(float(metrics["loss"]))
   np.testing.assert_allclose(float(metrics["reward_mean"]), r.stats["reward_mean"], atol=1e-6)
-  for got, want in zip(jax.tree.leaves(new_state.params), jax.tree.leaves(phased.params)):
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  # One compiled program against another: float32 rounding, which Adam's g / sqrt(v) turns
+  # into up to ~2 lr per step where a gradient is ~0 (adam_bounds).
+  adam_bounds.assert_steps_close(jax.tree.leaves(jax.device_get(new_state.params)),
+                                 jax.tree.leaves(jax.device_get(phased.params)),
+                                 run.cfg.optim.learning_rate, steps=run.cfg.num_minibatches,
+                                 rtol=1e-5, atol=1e-6)

@@ -181,4 +181,5 @@ def test_setup_refuses_a_rollout_too_short_before_any_work(tmp_path):
   with pytest.raises(ValueError, match=r"> rollout.max_new_tokens=40; raise "
                                        r"rollout.max_new_tokens or lower task_steps"):
     run_lib.setup(cfg, str(tmp_path))
-  assert (tmp_path / "tokenizer.model").exists()  # refused under the run's own tokenizer
+  # A refused start leaves the run directory as it was: no tokenizer for the next start.
+  assert not (tmp_path / "tokenizer.model").exists()

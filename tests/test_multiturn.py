@@ -285,6 +285,8 @@ def test_multiturn_config_refuses_what_it_does_not_support():
                   rollout=C.RolloutConfig(oversample=8))
   with pytest.raises(ValueError, match=r"does not support truncation='mask'/'overlong'"):
     C.TrainConfig(multiturn=on, loss="gspo_token", truncation="mask")
+  with pytest.raises(ValueError, match=r"does not support rollout.compact_rows"):
+    C.TrainConfig(multiturn=on, loss="gspo_token", rollout=C.RolloutConfig(compact_rows=6))
   with pytest.raises(ValueError, match="multiturn.\\* settings apply to multi-turn episodes"):
     C.TrainConfig(multiturn=C.MultiTurnConfig(max_turns=2))
   with pytest.raises(ValueError, match="multiturn.max_obs_tokens must be an int >= 1"):
@@ -361,3 +363,13 @@ def test_update_with_turn_credit_is_gspo_on_one_turn_and_differs_on_several(prog
   want = one_update(gspo_cfg, result.episodes, result.rewards_BxG)
   got = one_update(turn_cfg, result.episodes, result.turn_rewards_BxGxK)  # turn k earns k + 1
   assert gap(got, want) > 1e-3
+
+
+def test_an_environment_that_does_not_load_stops_setup_before_any_work(tmp_path, monkeypatch):
+  from gspo_jax import config as C
+  from gspo_jax import run as R
+  monkeypatch.setattr(R, "make_task", lambda cfg: pytest.fail("setup went on"))
+  cfg = C.TrainConfig(multiturn=C.MultiTurnConfig(env="nope.py:Env"), loss="gspo_token")
+  with pytest.raises(ValueError, match=r"multiturn.env='nope.py:Env'"):
+    R.setup(cfg, str(tmp_path))
+  assert list(tmp_path.iterdir()) == []

@@ -21,6 +21,7 @@ from gspo_jax import train as T
 from gspo_jax.models.config import tiny
 from gspo_jax.rollout import rollout_step
 from gspo_jax.programs import step_config
+from tests import adam_bounds
 
 RC = C.RolloutCorrectionConfig
 
@@ -90,11 +91,12 @@ def test_weights_of_exactly_one_leave_the_step_unchanged(run):
   assert all(m_on[k] == m_off[k] for k in m_off)
   assert (m_on["rollout_corr_weight_mean"], m_on["rollout_corr_weight_max"],
           m_on["rollout_corr_frac"], m_on["rollout_corr_kl"]) == (1.0, 1.0, 0.0, 0.0)
-  # The float32 sampler's own log-probs (weights 1 to ~1e-6): the same step to float32
-  # rounding of one Adam step.
+  # The float32 sampler's own log-probs (weights 1 to ~1e-6): the same steps to float32
+  # rounding, which Adam's g / sqrt(v) turns into up to ~2 lr where a gradient is ~0.
   near, _ = update(run, batch, rewards)
-  for a, b in zip(near, off):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-3 * run.cfg.optim.learning_rate)
+  adam_bounds.assert_steps_close(near, off, run.cfg.optim.learning_rate,
+                                 steps=run.cfg.num_minibatches, rtol=1e-5,
+                                 atol=1e-3 * run.cfg.optim.learning_rate)
 
 
 def test_mask_mode_removes_tokens_from_numerators_and_denominators(run):
@@ -128,8 +130,10 @@ def test_mask_mode_removes_tokens_from_numerators_and_denominators(run):
                           batch.replace(mask_BxGxT=jnp.asarray(kept), sampler_logp_BxGxT=None),
                           rewards)
   assert m["loss"] == pytest.approx(m_plain["loss"], rel=1e-6)
-  for a, b in zip(masked, plain):
-    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-3 * cfg.optim.learning_rate)
+  # To float32 rounding, up to ~2 lr per Adam step where a gradient is ~0 (adam_bounds).
+  adam_bounds.assert_steps_close(masked, plain, cfg.optim.learning_rate,
+                                 steps=cfg.num_minibatches, rtol=1e-6,
+                                 atol=1e-3 * cfg.optim.learning_rate)
 
 
 def test_a_bfloat16_sampler_gives_weights_away_from_one(run):

@@ -14,6 +14,7 @@ from gspo_jax import run as R
 from gspo_jax.models.config import tiny, tiny_moe
 from gspo_jax.rollout import rollout_step
 from gspo_jax.programs import step_config
+from tests import adam_bounds
 
 
 def moe_cfg(**kw) -> C.TrainConfig:
@@ -121,12 +122,12 @@ def test_replay_at_theta_old_changes_nothing(run, configured, rolled):
     r = configured(cfg)
     b = batch if mode == "replay" else batch.replace(old_experts=None)
     new, m = r.programs.update(jax.tree.map(jnp.copy, run.state), b, rewards)
-    outs.append((jax.tree.leaves(new.params), float(m["loss"]), float(m["ratio_max"])))
+    outs.append((jax.device_get(new), float(m["loss"]), float(m["ratio_max"])))
   assert outs[0][1] == outs[1][1] and outs[0][2] == outs[1][2] == 1.0
   # The replayed forward is another compiled program (gates gathered at the recorded
-  # experts instead of top-k): the same update to float32 rounding of one Adam step.
-  for a, b in zip(outs[0][0], outs[1][0]):
-    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-3 * cfg.optim.learning_rate)
+  # experts instead of top-k): the same gradients to float32 rounding, and parameters
+  # within what that rounding can make of one Adam step (up to 2 * lr where g is ~0).
+  adam_bounds.assert_first_step_states_close(outs[0][0], outs[1][0], cfg.optim.learning_rate)
 
 
 def test_routing_on_a_dense_model_is_a_clear_error():
@@ -173,10 +174,13 @@ def test_replayed_update_sharded_equals_single_device(run, configured, rolled, t
                                              jax.device_put(rewards, sharded.layout.rows(2)))
   for k in ("loss", "ratio_max", "clip_frac_token"):
     np.testing.assert_allclose(float(got_m[k]), float(want_m[k]), rtol=1e-5, atol=1e-7)
-  # Parameters within 1% of one Adam step (lr): where a gradient is tiny, Adam's g/sqrt(v)
-  # turns f32 reduction-order noise into visible parameter differences (see test_sharded_train).
-  for a, b in zip(jax.tree.leaves(got_state.params), jax.tree.leaves(want_state.params)):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=0.01 * cfg.optim.learning_rate)
+  # Parameters after two Adam steps (two minibatches): where a gradient is tiny, Adam's
+  # g/sqrt(v) turns f32 reduction-order noise into up to ~2 lr per step on some CPU; all
+  # but 1% of entries within 1% of lr, every one within the steps' reach.
+  adam_bounds.assert_steps_close(jax.tree.leaves(jax.device_get(got_state.params)),
+                                 jax.tree.leaves(jax.device_get(want_state.params)),
+                                 cfg.optim.learning_rate, steps=cfg.num_minibatches, rtol=0,
+                                 atol=0.01 * cfg.optim.learning_rate)
   assert got_state.params is not None
   assert split_batch.old_experts[0].sharding.spec[0] == ("data", "fsdp")
 
@@ -223,10 +227,11 @@ def test_float32_sampler_records_the_trainers_own_choices(run, configured):
   for mode, b in (("rollout_replay", batch), ("free", batch.replace(old_experts=None))):
     one = configured(dataclasses.replace(r3.cfg, routing=mode, num_minibatches=1))
     new, m = one.programs.update(jax.tree.map(jnp.copy, run.state), b, rewards)
-    outs.append((jax.tree.leaves(new.params), float(m["loss"]), float(m["ratio_max"])))
+    outs.append((jax.device_get(new), float(m["loss"]), float(m["ratio_max"])))
   assert outs[0][1] == pytest.approx(outs[1][1], rel=1e-6) and outs[0][2] == pytest.approx(1.0)
-  for a, b in zip(outs[0][0], outs[1][0]):
-    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-3 * run.cfg.optim.learning_rate)
+  # Gradients to float32 rounding; parameters within what it makes of one Adam step.
+  adam_bounds.assert_first_step_states_close(outs[0][0], outs[1][0],
+                                             run.cfg.optim.learning_rate)
 
 
 def near_tied_router(params):

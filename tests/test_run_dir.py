@@ -4,6 +4,7 @@ starts and resumes leave the directory byte for byte unchanged; metrics.jsonl ho
 step once and parses; a damaged newest checkpoint falls back; every setting is checked
 before any work."""
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -299,6 +300,16 @@ def test_resume_diff_classifies_fields():
                        ("model.hidden=64", "model's shape")]:
     with pytest.raises(rundir.RunDirError, match=what):
       rundir.check_resume(saved, T.configlib.apply_overrides(saved, [change]), print)
+  # What defines the task and its rewards: the chain's length, a multi-turn environment.
+  chain = dataclasses.replace(saved, task="chain", task_digits=1, task_steps=3,
+                              rollout=C.RolloutConfig(max_new_tokens=64))
+  with pytest.raises(rundir.RunDirError, match=r"task_steps: saved 3, requested 5 \(the task"):
+    rundir.check_resume(chain, dataclasses.replace(chain, task_steps=5), print)
+  env = dataclasses.replace(saved, loss="gspo_token", multiturn=C.MultiTurnConfig(env="calculator"))
+  other = dataclasses.replace(
+      env, multiturn=C.MultiTurnConfig(env="tests.multiturn_helpers:ScriptedEnv"))
+  with pytest.raises(rundir.RunDirError, match=r"multiturn.env: saved 'calculator'.*environment"):
+    rundir.check_resume(env, other, print)
   # A pretrained run's model comes from its directory: compared through `pretrained`.
   a = C.TrainConfig(pretrained="some/dir", model=tiny(vocab_size=99))
   assert rundir.config_diff(a, C.TrainConfig(pretrained="some/dir")) == {}
@@ -461,3 +472,27 @@ def test_a_second_ctrl_c_stops_at_once_and_hosts_agree(monkeypatch):
   monkeypatch.setattr(multihost_utils, "process_allgather",
                       lambda x: np.asarray([int(x), signal.SIGTERM]))
   assert T._Signals().requested() == signal.SIGTERM
+
+
+def test_a_fresh_start_retrains_a_tokenizer_left_by_a_start_that_never_began(tmp_path):
+  # A start refused at setup (or killed before its cold start ended) saved no config and
+  # no checkpoint: its tokenizer.model, maybe of another task or vocab, is not the run's.
+  from gspo_jax import run as R
+  from gspo_jax.tokenizer import SentencePieceTokenizer
+  from tests.test_train import tiny_cfg
+  cfg = tiny_cfg()
+  task = R.make_task(cfg)
+  stale = SentencePieceTokenizer.train([f"{a} apples and {a} pears" for a in range(500)],
+                                       vocab_size=40)
+  fresh_dir, run_dir = tmp_path / "fresh", tmp_path / "run"
+  want, trained = R.make_tokenizer(task, cfg, str(fresh_dir))
+  assert trained
+  stale.save(run_dir)
+  got, trained = R.make_tokenizer(task, cfg, str(run_dir))
+  assert trained and got.vocab_size == want.vocab_size != stale.vocab_size
+  assert (run_dir / "tokenizer.model").read_bytes() == (fresh_dir / "tokenizer.model").read_bytes()
+  # Once the run has started (its config saved), resume and evaluation load its own.
+  stale.save(run_dir)
+  rundir.save_config(str(run_dir), cfg, previous_step=0)
+  got, trained = R.make_tokenizer(task, cfg, str(run_dir))
+  assert not trained and got.vocab_size == stale.vocab_size

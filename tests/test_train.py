@@ -20,6 +20,7 @@ from gspo_jax import run as R
 from gspo_jax import train as T
 from gspo_jax.models.config import tiny
 from gspo_jax.rollout import rollout_step
+from tests import adam_bounds
 
 
 def tiny_cfg(**kw) -> C.TrainConfig:
@@ -120,11 +121,12 @@ def test_on_policy_single_minibatch_losses_give_the_same_update(configured, roll
     r = configured(tiny_cfg(loss=loss, num_minibatches=1))
     new, m = r.programs.update(jax.tree.map(jnp.copy, r.state), rolled.batch,
                                random_rewards(rolled, 1))
-    results.append((leaves(new.params), float(m["loss"])))
-  for params, loss in results[1:]:
+    results.append((jax.device_get(new), float(m["loss"])))
+  for new, loss in results[1:]:
     assert abs(loss - results[0][1]) < 1e-6
-    for a, b in zip(params, results[0][0]):
-      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    # Gradients (Adam's first moment) to float32 rounding; parameters within what that
+    # rounding can make of one Adam step (up to 2 * lr where a gradient is ~0).
+    adam_bounds.assert_first_step_states_close(new, results[0][0], r.cfg.optim.learning_rate)
 
 
 def test_non_finite_loss_skips_the_update(run, rolled):
