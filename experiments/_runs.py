@@ -54,6 +54,17 @@ def base_config(task: str, quick: bool) -> TrainConfig:
       iterations=6, eval_every=3, eval_size=16)
 
 
+def loss_config(loss: str, seed: int, quick: bool, iterations: int | None,
+                task: str = "addition") -> TrainConfig:
+  """The task's config file (`base_config`) with `loss`, eps unset so that each loss
+  clips at its own (the paper's) range whatever the config file sets. gspo_vs_grpo.py's
+  runs; precision_training.py changes where pi_old comes from on top of it."""
+  cfg = base_config(task, quick)
+  if iterations:
+    cfg = dataclasses.replace(cfg, iterations=iterations)
+  return dataclasses.replace(cfg, loss=loss, eps_low=None, eps_high=None, seed=seed)
+
+
 def iteration_flops(cfg: dict, row: dict) -> float:
   """Model FLOPs of one iteration, from the run's config.json and its metrics row: 2 per
   active matmul parameter per token forward, 6 forward + backward.

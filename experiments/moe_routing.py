@@ -8,7 +8,7 @@ GSPO and one GRPO update (4 minibatches, each loss's own clip range, the paper's
 from the same state; we compare each (response token, MoE layer)'s top-k expert set before
 and after, on the same inputs.
 
-    python experiments/moe_routing.py [--quick]
+    python -m experiments.moe_routing [--quick]
 
 Writes experiments/results/moe_routing[_quick]/summary.json.
 """
@@ -19,20 +19,18 @@ import argparse
 import dataclasses
 import json
 import os
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from gspo_jax import coldstart, configlib, sharding, step
+from gspo_jax.config import TrainConfig
+from gspo_jax.models.config import tiny_moe
+from gspo_jax.rollout import rollout_step
+from gspo_jax.run import setup
 
-from gspo_jax import coldstart, configlib, sharding, step  # noqa: E402
-from gspo_jax.config import TrainConfig  # noqa: E402
-from gspo_jax.models.config import tiny_moe  # noqa: E402
-from gspo_jax.rollout import rollout_step  # noqa: E402
-from gspo_jax.run import setup  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 LOSSES = ("gspo", "grpo")
 

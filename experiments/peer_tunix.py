@@ -2,7 +2,7 @@
 
     python3.11 -m venv .venv-tunix
     .venv-tunix/bin/pip install -r requirements.txt google-tunix==0.1.7
-    .venv-tunix/bin/python experiments/peer_tunix.py      # a few minutes on 2 CPU cores
+    .venv-tunix/bin/python -m experiments.peer_tunix      # a few minutes on 2 CPU cores
 
 tunix is not a dependency of gspo_jax: it is imported only inside this script, which stops
 with a message (exit code 2) when it is missing. Writes experiments/results/peer_tunix.json.
@@ -68,15 +68,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from experiments import _bench
+from gspo_jax import sampling, step
+from gspo_jax.advantages import group_advantages
+from gspo_jax.config import RolloutConfig, TrainConfig
+from gspo_jax.models import config as our_config
+from gspo_jax.models import transformer
 
-from experiments import benchmark  # noqa: E402
-from gspo_jax import sampling, step  # noqa: E402
-from gspo_jax.advantages import group_advantages  # noqa: E402
-from gspo_jax.config import RolloutConfig, TrainConfig  # noqa: E402
-from gspo_jax.models import config as our_config  # noqa: E402
-from gspo_jax.models import transformer  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 RESULT = os.path.join(ROOT, "experiments", "results", "peer_tunix.json")
 TARGET_SPEEDUP = 2.0
@@ -115,7 +114,7 @@ def import_tunix():
     print(f"peer_tunix.py needs tunix ({e}). Make a separate venv:\n"
           f"  python3.11 -m venv .venv-tunix\n"
           f"  .venv-tunix/bin/pip install -r requirements.txt google-tunix==0.1.7\n"
-          f"  .venv-tunix/bin/python experiments/peer_tunix.py", file=sys.stderr)
+          f"  .venv-tunix/bin/python -m experiments.peer_tunix", file=sys.stderr)
     sys.exit(2)
   return argparse.Namespace(
       qwen3=qwen3, gen_utils=gen_utils, algo_core=algo_core, common=common,
@@ -542,8 +541,8 @@ def main(argv=None):
   ours = transformer.create(our_model_config(args))
   theirs = their_model_from(tx, ours)
   tokens = jnp.asarray(np.random.default_rng(2).integers(1, args.vocab, (2, 64)), jnp.int32)
-  record = {"command": "python experiments/peer_tunix.py " + " ".join(argv), "args": vars(args),
-            "machine": benchmark.machine(), "versions": versions(), "what_runs": WHAT_RUNS,
+  record = {"command": "python -m experiments.peer_tunix " + " ".join(argv), "args": vars(args),
+            "machine": _bench.machine(), "versions": versions(), "what_runs": WHAT_RUNS,
             "model": dataclasses.asdict(ours.cfg), "params": param_count(ours),
             "logits_check": logits_check(tx, ours, theirs, tokens)}
   record["sampling"] = [bench_sampling(tx, ours, theirs, argparse.Namespace(

@@ -9,7 +9,7 @@ response shrinks it. We report the spread of both log-ratios and the fraction th
 outside each method's clip range; for an MoE policy also how many of the sampler's expert
 choices the float32 trainer would not make (the gap Rollout Routing Replay closes).
 
-    python experiments/precision_gap.py [--quick] [--run RUN_DIR] [--prompts 256]
+    python -m experiments.precision_gap [--quick] [--run RUN_DIR] [--prompts 256]
 
 RUN_DIR: a training run directory (default: the GSPO seed-0 run of gspo_vs_grpo, if present;
 otherwise a cold-started model is trained here). Writes
@@ -22,18 +22,16 @@ import argparse
 import dataclasses
 import json
 import os
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from experiments import _plots
+from gspo_jax import losses, programs, sharding, step
+from gspo_jax.run import load_run
 
-from experiments import _plots  # noqa: E402
-from gspo_jax import losses, programs, sharding, step  # noqa: E402
-from gspo_jax.run import load_run  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 DEFAULT_RUN = os.path.join(ROOT, "experiments", "results", "gspo_vs_grpo", "runs", "gspo_seed0")
 
@@ -124,7 +122,7 @@ def main(argv=None):
   os.makedirs(out, exist_ok=True)
   run_dir = args.run or DEFAULT_RUN
   if not os.path.exists(os.path.join(run_dir, "config.json")):
-    raise SystemExit(f"no training run at {run_dir}: run experiments/gspo_vs_grpo.py first, or "
+    raise SystemExit(f"no training run at {run_dir}: run `python -m experiments.gspo_vs_grpo` first, or "
                      "pass --run")
   run = load_run(run_dir)
   summary, token_lr, seq_lr = measure(run, 16 if args.quick else args.prompts)

@@ -16,10 +16,10 @@ the second half of its iterations is below the cold start's held-out accuracy (i
 below where RL began and did not come back). Each length has its own cold start per seed,
 shared by every cell of that length.
 
-    python experiments/stability_map.py --quick                   # tiny sizes, 2 cells
-    python experiments/stability_map.py --seeds 0                 # the whole grid, 36 runs
-    python experiments/stability_map.py --lengths long --losses grpo   # a part
-    python experiments/stability_map.py --plot-only
+    python -m experiments.stability_map --quick                   # tiny sizes, 2 cells
+    python -m experiments.stability_map --seeds 0                 # the whole grid, 36 runs
+    python -m experiments.stability_map --lengths long --losses grpo   # a part
+    python -m experiments.stability_map --plot-only
 
 Writes under --out (default experiments/results/stability_map[_quick]):
 <length>/runs/<loss>_mb<M>_lr<lr>_seed<k>/, summary.json, stability_map.png (final
@@ -32,15 +32,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import sys
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from experiments import _plots, _runs
+from gspo_jax.config import TrainConfig
 
-from experiments import _plots, _runs  # noqa: E402
-from gspo_jax.config import TrainConfig  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 LENGTHS = {"short": (3, 40), "medium": (6, 72), "long": (11, 120)}   # task_steps, max_new_tokens
 MINIBATCHES = (1, 4, 16)

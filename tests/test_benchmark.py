@@ -1,18 +1,15 @@
 """The benchmark script runs end to end at toy sizes (it measures; it asserts no speed)."""
 
 import json
-import os
 import runpy
 import sys
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_benchmark_logprobs_runs(tmp_path, monkeypatch, capsys):
   argv = ["benchmark.py", "--out", str(tmp_path), "logprobs", "--batch", "2", "--tokens", "16",
           "--width", "8", "--vocab", "64", "--chunk", "4", "--repeats", "1"]
   monkeypatch.setattr(sys, "argv", argv)
-  runpy.run_path(os.path.join(ROOT, "experiments", "benchmark.py"), run_name="__main__")
+  runpy.run_module("experiments.benchmark", run_name="__main__")
   record = json.load(open(tmp_path / "benchmark_logprobs.json"))
   result = record["result"]
   assert result["abs_diff_sum_logp"] < 1e-3
@@ -25,7 +22,7 @@ def test_benchmark_compile_runs(tmp_path, monkeypatch):
           "--width", "16", "--heads", "2", "--kv-heads", "1", "--vocab", "32", "--rows", "2",
           "--prompt-len", "4", "--new-tokens", "2", "--programs", "update"]
   monkeypatch.setattr(sys, "argv", argv)
-  runpy.run_path(os.path.join(ROOT, "experiments", "benchmark.py"), run_name="__main__")
+  runpy.run_module("experiments.benchmark", run_name="__main__")
   record = json.load(open(tmp_path / "benchmark_compile.json"))
   (row,) = record["result"]["rows"]
   assert row["mode"] == "scan" and row["layers"] == 2 and row["update_compile_seconds"] > 0
@@ -37,7 +34,7 @@ def test_benchmark_long_runs(tmp_path, monkeypatch):
           "--vocab", "32", "--prompts", "2", "--group", "2", "--prompt-len", "4", "--rows", "2",
           "--remat", "none", "--attention-chunk", "0", "8", "--repeats", "1"]
   monkeypatch.setattr(sys, "argv", argv)
-  runpy.run_path(os.path.join(ROOT, "experiments", "benchmark.py"), run_name="__main__")
+  runpy.run_module("experiments.benchmark", run_name="__main__")
   result = json.load(open(tmp_path / "benchmark_long.json"))["result"]
   full, varying = result["sampler"]
   assert full["lengths"] == "full" and varying["lengths"] == "varying"
