@@ -54,6 +54,13 @@ def time_tree(tree: str, iterations: int, skip: int, seed: int) -> dict:
           "intervals": len(gaps)}
 
 
+def tree_env(tree: str) -> dict:
+  """The environment of a child timing `tree`: its checkout first on PYTHONPATH, so the child
+  imports that tree's `gspo_jax` (this script imports nothing of the package itself)."""
+  path = [os.path.abspath(tree), os.environ.get("PYTHONPATH", "")]
+  return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--trees", nargs="+", required=True, help="checkout roots, timed in turn")
@@ -73,9 +80,8 @@ def main(argv=None):
       out = subprocess.run([sys.executable, os.path.abspath(__file__), "--trees", tree,
                             "--one", tree, "--iterations", str(args.iterations), "--skip",
                             str(args.skip), "--seed", str(args.seed)],
-                           capture_output=True, text=True, check=True, cwd=tempfile.gettempdir(),
-                           env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                               filter(None, [os.path.abspath(tree), os.environ.get("PYTHONPATH")]))})
+                           capture_output=True, text=True, check=True,
+                           cwd=tempfile.gettempdir(), env=tree_env(tree))
       result = json.loads(out.stdout.strip().splitlines()[-1])
       runs[tree].append(result)
       print(f"round {r}: {tree}: {result['median_s'] * 1e3:.1f} ms per iteration (median)",
