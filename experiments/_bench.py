@@ -17,10 +17,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RESULTS = os.path.join(ROOT, "experiments", "results")
-
-
 def machine() -> dict:
   dev = jax.devices()[0]
   return {"platform": platform.platform(), "python": platform.python_version(),

@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import _bench
+from experiments import _bench, _results
 
 VARIANTS = ("baseline", "phased", "one_phase", "bf16_cache")
 
@@ -60,7 +60,7 @@ def add_parser(sub) -> None:
 def baseline_package(commit: str):
   """gspo_jax as of `commit`, importable next to this checkout's (as gspo_jax_<commit>)."""
   name = "gspo_jax_" + re.sub(r"\W", "_", commit)
-  tar = subprocess.run(["git", "-C", _bench.ROOT, "archive", commit, "gspo_jax"], check=True,
+  tar = subprocess.run(["git", "-C", _results.ROOT, "archive", commit, "gspo_jax"], check=True,
                        capture_output=True).stdout
   where = tempfile.mkdtemp(prefix="bench_decode_")
   tarfile.open(fileobj=io.BytesIO(tar)).extractall(where, filter="data")

@@ -16,7 +16,7 @@ import shutil
 
 import numpy as np
 
-from experiments import _plots
+from experiments import _plots, _results
 from gspo_jax import configlib, train
 from gspo_jax.config import TrainConfig
 
@@ -238,9 +238,9 @@ def main(argv, *, doc: str, name: str, variants, config, summarise, plot, seeds=
          flag: str = "--variants", add_args=None, default_variants=None) -> dict:
   """The command line every training experiment shares: run each (seed, variant) not yet
   finished, then summarise and plot whatever is finished under
-  experiments/results/<name>[_long][_quick] (or --out). `config(variant, seed, args)` builds
-  the TrainConfig (`base_config(args.task, args.quick)` is the starting point);
-  `add_args(parser)` adds the experiment's own flags; `default_variants` (all of `variants`
+  runs/results/<name>[_long][_quick] (experiments/results/ with --record, or --out).
+  `config(variant, seed, args)` builds the TrainConfig (`base_config(args.task, args.quick)`
+  is the starting point); `add_args(parser)` adds the experiment's own flags; `default_variants` (all of `variants`
   if None) run when the flag is not given."""
   import argparse
   parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
@@ -253,12 +253,14 @@ def main(argv, *, doc: str, name: str, variants, config, summarise, plot, seeds=
   parser.add_argument("--iterations", type=int, default=None, help="override the config's")
   parser.add_argument("--plot-only", action="store_true", help="only summarise finished runs")
   parser.add_argument("--out", default=None,
-                      help=f"default: experiments/results/{name}[_long][_quick]")
+                      help=f"default: runs/results/{name}[_long][_quick], or under "
+                           "experiments/results/ with --record")
+  _results.add_record_arg(parser)
   if add_args:
     add_args(parser)
   args = parser.parse_args(argv)
   suffix = ("_long" if args.task == "long" else "") + ("_quick" if args.quick else "")
-  out = args.out or os.path.join(ROOT, "experiments", "results", name + suffix)
+  out = _results.out_path(args, name + suffix)
   if not args.plot_only:
     os.makedirs(out, exist_ok=True)
     for seed in args.seeds:

@@ -1,4 +1,4 @@
-"""Benchmarks. Each subcommand prints a table and writes JSON under experiments/results/.
+"""Benchmarks. Each subcommand prints a table and writes JSON under runs/results/.
 
     python -m experiments.benchmark            # = `all`: every measurement at a quick size
     python -m experiments.benchmark peak       # measured matmul FLOP/s (the ceiling)
@@ -15,6 +15,8 @@
 writes benchmark_<name>.json at its full size. Figures are measured in one process; ratios
 compare runs of the same process on the same input. Machines are noisy: every record holds
 the load average before and after it; rerun before trusting a small difference.
+The JSON goes to runs/results/ (ignored by git); --record (before the subcommand) writes the
+committed experiments/results/ instead, and --out DIR anywhere.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import _bench, _bench_decode, _bench_long
+from experiments import _bench, _bench_decode, _bench_long, _results
 from experiments._bench import machine, timed, update_flops, write
 from gspo_jax.logprobs import token_logprobs, token_logprobs_from_hidden
 
@@ -557,7 +559,10 @@ def _add_peak_args(p, sizes):
 
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--out", default=_bench.RESULTS, help="directory for the JSON record")
+  parser.add_argument("--out", default=None,
+                      help="directory for the JSON record (default: runs/results/, or "
+                           "experiments/results/ with --record)")
+  _results.add_record_arg(parser)
   sub = parser.add_subparsers(dest="cmd")
   sub.add_parser("all", help="every measurement at its quick size (the default)")
   p = sub.add_parser("peak", help="matmul throughput")
@@ -656,7 +661,7 @@ def main(argv=None):
   argv = sys.argv[1:] if argv is None else list(argv)
   args = build_parser().parse_args(argv)
   if args.cmd not in (None, "all"):
-    print("wrote", write(args.cmd, run_one(argv), args.out))
+    print("wrote", write(args.cmd, run_one(argv), _results.out_path(args)))
     return
   out_args = argv[:argv.index("all")] if "all" in argv else argv
   t0 = time.perf_counter()
@@ -668,7 +673,7 @@ def main(argv=None):
   print(f"\nall benchmarks: {total:.0f} s")
   record = {"command": "python -m experiments.benchmark " + " ".join(argv),
             "seconds": total, "machine": machine(), "records": records}
-  print("wrote", write("all", record, args.out))
+  print("wrote", write("all", record, _results.out_path(args)))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ over the full cache and of a bfloat16 KV cache, at each T; compile seconds, temp
 memory, tokens and log-probs against the phased sampler) and the update step of
 `benchmark.py long` (seconds, model FLOP/s, XLA's memory analysis) at each T. A part that
 fails is recorded with its error and the check goes on: a lent machine's minutes are
-not spent twice. Writes experiments/results/device_check_<backend>.json (or --out).
+not spent twice. Writes runs/results/device_check_<backend>.json (experiments/results/ with
+--record, or --out).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import sys
 import time
 import traceback
 
-from experiments import _bench, _bench_decode, _bench_long
+from experiments import _bench, _bench_decode, _bench_long, _results
 
 # Sampler and update shapes: the issue's CPU shape, a wider one where an accelerator's
 # memory bandwidth rather than its dispatch decides, and a toy for tests.
@@ -66,7 +67,9 @@ def main(argv=None) -> str:
   p.add_argument("--tiny", action="store_true",
                  help="--shapes tiny --repeats 1 --variants phased")
   p.add_argument("--repeats", type=int, default=3)
-  p.add_argument("--out", default=_bench.RESULTS)
+  p.add_argument("--out", default=None,
+                 help="directory (default: runs/results/, or experiments/results/ with --record)")
+  _results.add_record_arg(p)
   args = p.parse_args(argv)
   if "phased" not in args.variants:
     p.error("--variants needs 'phased', the reference of the comparisons")
@@ -77,8 +80,9 @@ def main(argv=None) -> str:
             "machine": _bench.machine(), "load_average_before": load,
             "shapes": {name: check_shape(name, repeats, variants) for name in shapes}}
   record.update(load_average_after=os.getloadavg(), seconds=time.perf_counter() - t0)
-  os.makedirs(args.out, exist_ok=True)
-  path = os.path.join(args.out, f"device_check_{record['machine']['backend']}.json")
+  out = _results.out_path(args)
+  os.makedirs(out, exist_ok=True)
+  path = os.path.join(out, f"device_check_{record['machine']['backend']}.json")
   with open(path, "w") as f:
     json.dump(record, f, indent=2)
   print("wrote", path)

@@ -10,7 +10,7 @@ and after, on the same inputs.
 
     python -m experiments.moe_routing [--quick]
 
-Writes experiments/results/moe_routing[_quick]/summary.json.
+Writes runs/results/moe_routing[_quick]/summary.json (experiments/results/ with --record).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments import _results
 from gspo_jax import coldstart, configlib, sharding, step
 from gspo_jax.config import TrainConfig
 from gspo_jax.models.config import tiny_moe
@@ -94,9 +95,9 @@ def main(argv=None):
   parser.add_argument("--quick", action="store_true")
   parser.add_argument("--lrs", nargs="+", type=float, default=[1e-4, 1e-3])
   parser.add_argument("--out", default=None)
+  _results.add_record_arg(parser)
   args = parser.parse_args(argv)
-  out = args.out or os.path.join(ROOT, "experiments", "results",
-                                 "moe_routing_quick" if args.quick else "moe_routing")
+  out = _results.out_path(args, "moe_routing_quick" if args.quick else "moe_routing")
   os.makedirs(out, exist_ok=True)
   summary = run(args.quick, args.lrs[:1] if args.quick else args.lrs, out)
   with open(os.path.join(out, "summary.json"), "w") as f:

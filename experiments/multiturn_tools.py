@@ -10,8 +10,8 @@ its turn). Variants (same cold start per seed, same data stream):
 
     python -m experiments.multiturn_tools [--quick] [--seeds 0 1] [--variants ...]
 
-Writes experiments/results/multiturn_tools[_quick]/{summary.json, heldout.png,
-reward.png, tool_calls.png, malformed_calls.png}.
+Writes runs/results/multiturn_tools[_quick]/{summary.json, heldout.png,
+reward.png, tool_calls.png, malformed_calls.png} (experiments/results/ with --record).
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@
     .venv-tunix/bin/python -m experiments.peer_tunix      # a few minutes on 2 CPU cores
 
 tunix is not a dependency of gspo_jax: it is imported only inside this script, which stops
-with a message (exit code 2) when it is missing. Writes experiments/results/peer_tunix.json.
+with a message (exit code 2) when it is missing. Writes runs/results/peer_tunix.json
+(experiments/results/ with --record).
 
 What is compared, and why it is the same work on both sides:
 
@@ -68,16 +69,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from experiments import _bench
+from experiments import _bench, _results
 from gspo_jax import sampling, step
 from gspo_jax.advantages import group_advantages
 from gspo_jax.config import RolloutConfig, TrainConfig
 from gspo_jax.models import config as our_config
 from gspo_jax.models import transformer
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-RESULT = os.path.join(ROOT, "experiments", "results", "peer_tunix.json")
 TARGET_SPEEDUP = 2.0
 # Stored in the record: exactly what each side's timed call runs.
 WHAT_RUNS = {
@@ -523,7 +521,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--sampling-only", action="store_true", help="skip the update comparison")
   p.add_argument("--sampling-repeats", type=int, default=15)
   p.add_argument("--update-repeats", type=int, default=5)
-  p.add_argument("--out", default=RESULT, help="JSON record path")
+  p.add_argument("--out", default=None, help="JSON record path (default: peer_tunix.json "
+                 "under runs/results/, or experiments/results/ with --record)")
+  _results.add_record_arg(p)
   return p
 
 
@@ -559,10 +559,11 @@ def main(argv=None):
   record["seconds"] = time.perf_counter() - t0
   record["load_average_before"], record["load_average_after"] = load_before, os.getloadavg()
   print_report(record)
-  os.makedirs(os.path.dirname(args.out), exist_ok=True)
-  with open(args.out, "w") as f:
+  path = _results.out_path(args, "peer_tunix.json")
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, "w") as f:
     json.dump(record, f, indent=2)
-  print("wrote", args.out)
+  print("wrote", path)
 
 
 if __name__ == "__main__":

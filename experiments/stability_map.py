@@ -21,7 +21,7 @@ shared by every cell of that length.
     python -m experiments.stability_map --lengths long --losses grpo   # a part
     python -m experiments.stability_map --plot-only
 
-Writes under --out (default experiments/results/stability_map[_quick]):
+Writes under --out (default runs/results/stability_map[_quick]; experiments/results/ with --record):
 <length>/runs/<loss>_mb<M>_lr<lr>_seed<k>/, summary.json, stability_map.png (final
 held-out gain per cell, collapsed cells marked) and clip_vs_length.png (clip fractions
 against response length).
@@ -35,10 +35,8 @@ import os
 
 import numpy as np
 
-from experiments import _plots, _runs
+from experiments import _plots, _results, _runs
 from gspo_jax.config import TrainConfig
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 LENGTHS = {"short": (3, 40), "medium": (6, 72), "long": (11, 120)}   # task_steps, max_new_tokens
 MINIBATCHES = (1, 4, 16)
@@ -160,9 +158,9 @@ def main(argv=None) -> dict:
   parser.add_argument("--iterations", type=int, default=None, help="override (default 20)")
   parser.add_argument("--plot-only", action="store_true")
   parser.add_argument("--out", default=None)
+  _results.add_record_arg(parser)
   args = parser.parse_args(argv)
-  out = args.out or os.path.join(ROOT, "experiments", "results",
-                                 "stability_map_quick" if args.quick else "stability_map")
+  out = _results.out_path(args, "stability_map_quick" if args.quick else "stability_map")
   if not args.plot_only:
     for seed in args.seeds:
       for length in args.lengths:
