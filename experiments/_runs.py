@@ -16,7 +16,7 @@ import shutil
 
 import numpy as np
 
-from experiments import _plots
+from experiments import _plots, _results
 from gspo_jax import configlib, train
 from gspo_jax.config import TrainConfig
 
@@ -52,6 +52,17 @@ def base_config(task: str, quick: bool) -> TrainConfig:
                                   max_new_tokens=60, max_prompt_len=24),
       sft=dataclasses.replace(cfg.sft, steps=5, batch_size=16, target_accuracy=0.0),
       iterations=6, eval_every=3, eval_size=16)
+
+
+def loss_config(loss: str, seed: int, quick: bool, iterations: int | None,
+                task: str = "addition") -> TrainConfig:
+  """The task's config file (`base_config`) with `loss`, eps unset so that each loss
+  clips at its own (the paper's) range whatever the config file sets. gspo_vs_grpo.py's
+  runs; precision_training.py changes where pi_old comes from on top of it."""
+  cfg = base_config(task, quick)
+  if iterations:
+    cfg = dataclasses.replace(cfg, iterations=iterations)
+  return dataclasses.replace(cfg, loss=loss, eps_low=None, eps_high=None, seed=seed)
 
 
 def iteration_flops(cfg: dict, row: dict) -> float:
@@ -227,9 +238,9 @@ def main(argv, *, doc: str, name: str, variants, config, summarise, plot, seeds=
          flag: str = "--variants", add_args=None, default_variants=None) -> dict:
   """The command line every training experiment shares: run each (seed, variant) not yet
   finished, then summarise and plot whatever is finished under
-  experiments/results/<name>[_long][_quick] (or --out). `config(variant, seed, args)` builds
-  the TrainConfig (`base_config(args.task, args.quick)` is the starting point);
-  `add_args(parser)` adds the experiment's own flags; `default_variants` (all of `variants`
+  runs/results/<name>[_long][_quick] (experiments/results/ with --record, or --out).
+  `config(variant, seed, args)` builds the TrainConfig (`base_config(args.task, args.quick)`
+  is the starting point); `add_args(parser)` adds the experiment's own flags; `default_variants` (all of `variants`
   if None) run when the flag is not given."""
   import argparse
   parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
@@ -242,12 +253,14 @@ def main(argv, *, doc: str, name: str, variants, config, summarise, plot, seeds=
   parser.add_argument("--iterations", type=int, default=None, help="override the config's")
   parser.add_argument("--plot-only", action="store_true", help="only summarise finished runs")
   parser.add_argument("--out", default=None,
-                      help=f"default: experiments/results/{name}[_long][_quick]")
+                      help=f"default: runs/results/{name}[_long][_quick], or under "
+                           "experiments/results/ with --record")
+  _results.add_record_arg(parser)
   if add_args:
     add_args(parser)
   args = parser.parse_args(argv)
   suffix = ("_long" if args.task == "long" else "") + ("_quick" if args.quick else "")
-  out = args.out or os.path.join(ROOT, "experiments", "results", name + suffix)
+  out = _results.out_path(args, name + suffix)
   if not args.plot_only:
     os.makedirs(out, exist_ok=True)
     for seed in args.seeds:

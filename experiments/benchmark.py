@@ -1,20 +1,22 @@
-"""Benchmarks. Each subcommand prints a table and writes JSON under experiments/results/.
+"""Benchmarks. Each subcommand prints a table and writes JSON under runs/results/.
 
-    python experiments/benchmark.py            # = `all`: every measurement at a quick size
-    python experiments/benchmark.py peak       # measured matmul FLOP/s (the ceiling)
-    python experiments/benchmark.py train      # update step: time, model FLOP/s, MFU vs peak
-    python experiments/benchmark.py logprobs   # lean vs plain token log-probs: memory, time
-    python experiments/benchmark.py sampler    # in-graph group sampler vs a host-driven loop
-    python experiments/benchmark.py prefix     # update step with / without prompt sharing
-    python experiments/benchmark.py iteration  # one GSPO iteration: the loop, by phase, fused
-    python experiments/benchmark.py compile    # compile time vs number of layers
-    python experiments/benchmark.py long       # sampler and update at T = 256 / 512 / 1024
-    python experiments/benchmark.py decode     # ms per decode step at T = 64 / 256 / 1024 vs a commit
+    python -m experiments.benchmark            # = `all`: every measurement at a quick size
+    python -m experiments.benchmark peak       # measured matmul FLOP/s (the ceiling)
+    python -m experiments.benchmark train      # update step: time, model FLOP/s, MFU vs peak
+    python -m experiments.benchmark logprobs   # lean vs plain token log-probs: memory, time
+    python -m experiments.benchmark sampler    # in-graph group sampler vs a host-driven loop
+    python -m experiments.benchmark prefix     # update step with / without prompt sharing
+    python -m experiments.benchmark iteration  # one GSPO iteration: the loop, by phase, fused
+    python -m experiments.benchmark compile    # compile time vs number of layers
+    python -m experiments.benchmark long       # sampler and update at T = 256 / 512 / 1024
+    python -m experiments.benchmark decode     # ms per decode step at T = 64 / 256 / 1024 vs a commit
 
 `all` writes benchmark_all.json (every record at its quick size, see QUICK); a subcommand
 writes benchmark_<name>.json at its full size. Figures are measured in one process; ratios
 compare runs of the same process on the same input. Machines are noisy: every record holds
 the load average before and after it; rerun before trusting a small difference.
+The JSON goes to runs/results/ (ignored by git); --record (before the subcommand) writes the
+committed experiments/results/ instead, and --out DIR anywhere.
 """
 
 from __future__ import annotations
@@ -22,9 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -33,40 +33,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)  # the gspo_jax of this checkout, as the other experiments
-
-from experiments import bench_decode, bench_long  # noqa: E402
-from gspo_jax.logprobs import token_logprobs, token_logprobs_from_hidden  # noqa: E402
-
-RESULTS = os.path.join(ROOT, "experiments", "results")
-
-
-def machine() -> dict:
-  dev = jax.devices()[0]
-  return {"platform": platform.platform(), "python": platform.python_version(),
-          "jax": jax.__version__, "backend": jax.default_backend(),
-          "device_kind": dev.device_kind, "device_count": jax.device_count(),
-          "cpu_count": os.cpu_count()}
-
-
-def timed(fn, *args, repeats: int = 3) -> float:
-  """Median wall seconds of `fn(*args)` after one warm-up call."""
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)
-
-
-def write(name: str, record: dict, out_dir: str) -> str:
-  os.makedirs(out_dir, exist_ok=True)
-  path = os.path.join(out_dir, f"benchmark_{name}.json")
-  with open(path, "w") as f:
-    json.dump(record, f, indent=2)
-  return path
+from experiments import _bench, _bench_decode, _bench_long, _results
+from experiments._bench import machine, timed, update_flops, write
+from gspo_jax.logprobs import token_logprobs, token_logprobs_from_hidden
 
 
 def bench_peak(args) -> dict:
@@ -257,73 +226,6 @@ def _bench_model(args):
                             dtype=args.dtype)
 
 
-def update_flops(mcfg, rows: int, prompt_len: int, new_tokens: int) -> dict:
-  """Model FLOPs of one GSPO update step (forward + backward) on R rows of S = P + T tokens.
-
-  The update recomputes teacher-forced log-probs over every row's prompt and response
-  (`teacher_forcing.response_logprobs`), so the forward pass runs on all S positions, and the
-  unembedding only on the T response positions (the lean log-prob path). Per layer, with
-  D hidden, N query heads, C kv heads, H head_dim, M mlp width:
-    matmul weights  W_layer = D*N*H (q) + 2*D*C*H (k, v) + N*H*D (o) + 3*D*M (SwiGLU)
-    forward         2 * R*S * L*W_layer  +  2 * R*T * D*V  +  L * 4 * R * S^2 * N*H
-  where the last term is q k^T and p v over all S x S query/key pairs (the mask is applied
-  to scores, nothing is skipped). Backward = 2 x forward (gradients with respect to inputs
-  and to weights), so the step is 3 x forward: the usual 6 * params * tokens plus
-  12 * L * R * S^2 * N*H for attention. Recomputation (the lean path's checkpointed logits,
-  remat) is not counted: these are model FLOPs, so MFU = model FLOP/s / peak FLOP/s.
-  """
-  c = mcfg
-  L, D, N, C, H, M, V = (c.num_layers, c.hidden, c.num_heads, c.num_kv_heads, c.head_dim,
-                         c.mlp_dim, c.vocab_size)
-  S, T, R = prompt_len + new_tokens, new_tokens, rows
-  w_layer = D * N * H + 2 * D * C * H + N * H * D + 3 * D * M
-  fwd_layers = 2 * R * S * L * w_layer
-  fwd_unembed = 2 * R * T * D * V
-  fwd_attention = L * 4 * R * S * S * N * H
-  forward = fwd_layers + fwd_unembed + fwd_attention
-  return {"matmul_params": L * w_layer + D * V, "forward": forward, "step": 3 * forward,
-          "attention_share": fwd_attention / forward}
-
-
-def _random_batch(mcfg, rows: int, prompt_len: int, new_tokens: int, *, group: int,
-                  seed: int = 0):
-  """(a `step.Batch` of random rollout rows, rewards_BxG): B = rows / group prompts of G =
-  group responses (full-length prompts, every token counted), random rewards (the update
-  turns them into group-normalised advantages)."""
-  from gspo_jax import step
-  rng = np.random.default_rng(seed)
-  B, G, P, T = rows // group, group, prompt_len, new_tokens
-  batch = step.Batch(
-      prompts_BxP=jnp.asarray(rng.integers(0, mcfg.vocab_size, (B, P)), jnp.int32),
-      prompt_lens_B=jnp.full((B,), P, jnp.int32),
-      tokens_BxGxT=jnp.asarray(rng.integers(0, mcfg.vocab_size, (B, G, T)), jnp.int32),
-      mask_BxGxT=jnp.ones((B, G, T), jnp.float32),
-      old_logp_BxGxT=jnp.asarray(rng.normal(-8.0, 1.0, (B, G, T)), jnp.float32))
-  return batch, jnp.asarray(rng.normal(0.0, 1.0, (B, G)), jnp.float32)
-
-
-def _update_program(mcfg, rows: int, prompt_len: int, new_tokens: int, group: int = 2,
-                    share_prompts: bool = False):
-  """(jitted `step.update` with the state donated, TrainState, (Batch, rewards_BxG)) for
-  one minibatch of `rows` rows: rows / group prompts of `group` responses."""
-  from flax import nnx
-
-  from gspo_jax import optim, programs, step
-  from gspo_jax.config import RolloutConfig, TrainConfig
-  from gspo_jax.models import transformer
-  cfg = TrainConfig(model=mcfg, num_minibatches=1, share_prompts=share_prompts,
-                    rollout=RolloutConfig(prompts_per_iter=rows // group, group_size=group,
-                                          max_new_tokens=new_tokens, max_prompt_len=prompt_len))
-  graphdef, params = nnx.split(transformer.create(mcfg), nnx.Param)
-  tx = optim.make_optimizer(cfg.optim)
-  state = step.TrainState(params=params, opt_state=tx.init(params),
-                          step=jnp.zeros((), jnp.int32), key=jax.random.key(0))
-  update = jax.jit(functools.partial(step.update, graphdef=graphdef, tx=tx,
-                                     cfg=programs.step_config(cfg)),
-                   donate_argnums=(0,))
-  return update, state, _random_batch(mcfg, rows, prompt_len, new_tokens, group=group)
-
-
 def bench_train(args) -> dict:
   """Update-step time and MFU. The machine is shared, so besides the peak sweep, each timed
   step is paired with a matmul timed just before it at the sweep's best size: the median of
@@ -337,7 +239,7 @@ def bench_train(args) -> dict:
   for remat in args.remat:
     mcfg = dataclasses.replace(_bench_model(args), remat=remat)
     flops = update_flops(mcfg, args.rows, args.prompt_len, args.new_tokens)
-    step, state, inputs = _update_program(mcfg, args.rows, args.prompt_len, args.new_tokens)
+    step, state, inputs = _bench.update_program(mcfg, args.rows, args.prompt_len, args.new_tokens)
     t0 = time.perf_counter()
     compiled = step.lower(state, *inputs).compile()
     compile_s = time.perf_counter() - t0
@@ -387,7 +289,7 @@ def bench_prefix(args) -> dict:
          "positions_unshared": R * (P + T), "positions_shared": B * P + R * T}
   programs = {}
   for share in (False, True):
-    step, state, inputs = _update_program(mcfg, R, P, T, group=G, share_prompts=share)
+    step, state, inputs = _bench.update_program(mcfg, R, P, T, group=G, share_prompts=share)
     t0 = time.perf_counter()
     compiled = step.lower(state, *inputs).compile()
     compile_s = time.perf_counter() - t0
@@ -606,7 +508,7 @@ def bench_compile(args) -> dict:
                                               "scan": scan == "scan", "dtype": "float32"}))
     row = {"mode": scan, "layers": layers}
     if "update" in args.programs:
-      step, state, inputs = _update_program(mcfg, R, P, T)
+      step, state, inputs = _bench.update_program(mcfg, R, P, T)
       row["update_lower_seconds"], row["update_compile_seconds"] = _compile_seconds(
           step, state, *inputs)
     if "sampler" in args.programs:
@@ -657,7 +559,10 @@ def _add_peak_args(p, sizes):
 
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--out", default=RESULTS, help="directory for the JSON record")
+  parser.add_argument("--out", default=None,
+                      help="directory for the JSON record (default: runs/results/, or "
+                           "experiments/results/ with --record)")
+  _results.add_record_arg(parser)
   sub = parser.add_subparsers(dest="cmd")
   sub.add_parser("all", help="every measurement at its quick size (the default)")
   p = sub.add_parser("peak", help="matmul throughput")
@@ -717,8 +622,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--rows", type=int, default=4)
   p.add_argument("--prompt-len", type=int, default=32)
   p.add_argument("--new-tokens", type=int, default=16)
-  bench_long.add_parser(sub)
-  bench_decode.add_parser(sub)
+  _bench_long.add_parser(sub)
+  _bench_decode.add_parser(sub)
   return parser
 
 
@@ -726,8 +631,8 @@ REMAT_CHOICES = ("none", "full", "dots")
 LAYER_MODES = ("unrolled", "scan")
 BENCHES = {"peak": bench_peak, "train": bench_train, "logprobs": bench_logprobs,
            "sampler": bench_sampler, "prefix": bench_prefix, "iteration": bench_iteration,
-           "compile": bench_compile, "long": bench_long.bench_long,
-           "decode": bench_decode.bench_decode}
+           "compile": bench_compile, "long": _bench_long.bench_long,
+           "decode": _bench_decode.bench_decode}
 # `all`: each measurement at a size that keeps the whole run to a few minutes on 2 CPU cores.
 QUICK = {
     "peak": ["peak", "--sizes", "512", "1024", "--repeats", "3"],
@@ -747,7 +652,7 @@ def run_one(argv: list[str]) -> dict:
   args = build_parser().parse_args(argv)
   load_before = os.getloadavg()
   result = BENCHES[args.cmd](args)
-  return {"command": "python experiments/benchmark.py " + " ".join(argv), "args": vars(args),
+  return {"command": "python -m experiments.benchmark " + " ".join(argv), "args": vars(args),
           "machine": machine(), "load_average_before": load_before,
           "load_average_after": os.getloadavg(), "result": result}
 
@@ -756,19 +661,19 @@ def main(argv=None):
   argv = sys.argv[1:] if argv is None else list(argv)
   args = build_parser().parse_args(argv)
   if args.cmd not in (None, "all"):
-    print("wrote", write(args.cmd, run_one(argv), args.out))
+    print("wrote", write(args.cmd, run_one(argv), _results.out_path(args)))
     return
   out_args = argv[:argv.index("all")] if "all" in argv else argv
   t0 = time.perf_counter()
   records = {}
   for name, quick in QUICK.items():
-    print(f"\n== {name}: python experiments/benchmark.py {' '.join(quick)}", flush=True)
+    print(f"\n== {name}: python -m experiments.benchmark {' '.join(quick)}", flush=True)
     records[name] = run_one(out_args + quick)
   total = time.perf_counter() - t0
   print(f"\nall benchmarks: {total:.0f} s")
-  record = {"command": "python experiments/benchmark.py " + " ".join(argv),
+  record = {"command": "python -m experiments.benchmark " + " ".join(argv),
             "seconds": total, "machine": machine(), "records": records}
-  print("wrote", write("all", record, args.out))
+  print("wrote", write("all", record, _results.out_path(args)))
 
 
 if __name__ == "__main__":

@@ -1,15 +1,16 @@
 """Accelerator check: the sampler and update benchmarks in one command, one JSON out.
 
-    python experiments/device_check.py                  # on a lent GPU / TPU: a few minutes
-    python experiments/device_check.py --shapes issue   # the issue's CPU shape only
-    python experiments/device_check.py --tiny           # any machine, seconds (the suite runs it)
+    python -m experiments.device_check                  # on a lent GPU / TPU: a few minutes
+    python -m experiments.device_check --shapes issue   # the issue's CPU shape only
+    python -m experiments.device_check --tiny           # any machine, seconds (the suite runs it)
 
 Per shape: `benchmark.py decode` (ms per decode step of the phased sampler, of one phase
 over the full cache and of a bfloat16 KV cache, at each T; compile seconds, temporary
 memory, tokens and log-probs against the phased sampler) and the update step of
 `benchmark.py long` (seconds, model FLOP/s, XLA's memory analysis) at each T. A part that
 fails is recorded with its error and the check goes on: a lent machine's minutes are
-not spent twice. Writes experiments/results/device_check_<backend>.json (or --out).
+not spent twice. Writes runs/results/device_check_<backend>.json (experiments/results/ with
+--record, or --out).
 """
 
 from __future__ import annotations
@@ -21,10 +22,7 @@ import sys
 import time
 import traceback
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from experiments import bench_decode, bench_long, benchmark  # noqa: E402
+from experiments import _bench, _bench_decode, _bench_long, _results
 
 # Sampler and update shapes: the issue's CPU shape, a wider one where an accelerator's
 # memory bandwidth rather than its dispatch decides, and a toy for tests.
@@ -52,12 +50,12 @@ def check_shape(name: str, repeats: int, variants) -> dict:
       prompt_len=s["prompt_len"], width=s["width"], layers=s["layers"], vocab=s["vocab"],
       scan=False, baseline="", variants=variants, rows=[], repeats=repeats)
   print(f"== {name}: sampler", flush=True)
-  sampler = _guarded(bench_decode.bench_decode, args)
+  sampler = _guarded(_bench_decode.bench_decode, args)
   update_args = argparse.Namespace(**{**vars(args), "rows": s["rows"]})
   update = []
   for T in s["new_tokens"]:
     print(f"== {name}: update T={T}", flush=True)
-    update.append(_guarded(bench_long.update_row, update_args, T, "none"))
+    update.append(_guarded(_bench_long.update_row, update_args, T, "none"))
   return {"shape": s, "sampler": sampler, "update": update}
 
 
@@ -65,23 +63,26 @@ def main(argv=None) -> str:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--shapes", nargs="+", default=["issue", "wide"], choices=list(SHAPES))
   p.add_argument("--variants", nargs="+", default=["phased", "one_phase", "bf16_cache"],
-                 choices=bench_decode.VARIANTS[1:])
+                 choices=_bench_decode.VARIANTS[1:])
   p.add_argument("--tiny", action="store_true",
                  help="--shapes tiny --repeats 1 --variants phased")
   p.add_argument("--repeats", type=int, default=3)
-  p.add_argument("--out", default=benchmark.RESULTS)
+  p.add_argument("--out", default=None,
+                 help="directory (default: runs/results/, or experiments/results/ with --record)")
+  _results.add_record_arg(p)
   args = p.parse_args(argv)
   if "phased" not in args.variants:
     p.error("--variants needs 'phased', the reference of the comparisons")
   shapes, repeats, variants = ((["tiny"], 1, ["phased"]) if args.tiny
                                else (args.shapes, args.repeats, args.variants))
   t0, load = time.perf_counter(), os.getloadavg()
-  record = {"command": "python experiments/device_check.py " + " ".join(argv or sys.argv[1:]),
-            "machine": benchmark.machine(), "load_average_before": load,
+  record = {"command": "python -m experiments.device_check " + " ".join(argv or sys.argv[1:]),
+            "machine": _bench.machine(), "load_average_before": load,
             "shapes": {name: check_shape(name, repeats, variants) for name in shapes}}
   record.update(load_average_after=os.getloadavg(), seconds=time.perf_counter() - t0)
-  os.makedirs(args.out, exist_ok=True)
-  path = os.path.join(args.out, f"device_check_{record['machine']['backend']}.json")
+  out = _results.out_path(args)
+  os.makedirs(out, exist_ok=True)
+  path = os.path.join(out, f"device_check_{record['machine']['backend']}.json")
   with open(path, "w") as f:
     json.dump(record, f, indent=2)
   print("wrote", path)

@@ -9,9 +9,10 @@ take N AdamW steps three ways and compare the parameters after each step:
   C. GSPO-token with token-level advantages A_i + a format bonus on the first token
      (A_it = A_i + 0.5 [t = 0])                             -> differs from A, and we show how.
 
-    python experiments/gspo_token_equivalence.py [--quick] [--steps 50]
+    python -m experiments.gspo_token_equivalence [--quick] [--steps 50]
 
-Writes experiments/results/gspo_token_equivalence[_quick]/{summary.json, param_diff.png}.
+Writes runs/results/gspo_token_equivalence[_quick]/{summary.json, param_diff.png}
+(experiments/results/ with --record).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -27,14 +27,11 @@ import numpy as np
 import optax
 from flax import nnx
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from experiments import _plots  # noqa: E402
-from gspo_jax import losses, sampling  # noqa: E402
-from gspo_jax.advantages import group_advantages  # noqa: E402
-from gspo_jax.models import config, transformer  # noqa: E402
-from gspo_jax.teacher_forcing import response_logprobs  # noqa: E402
+from experiments import _plots, _results
+from gspo_jax import losses, sampling
+from gspo_jax.advantages import group_advantages
+from gspo_jax.models import config, transformer
+from gspo_jax.teacher_forcing import response_logprobs
 
 B, G, P, T = 8, 4, 6, 8
 BONUS = 0.5
@@ -129,10 +126,10 @@ def main(argv=None):
   parser.add_argument("--quick", action="store_true", help="3 steps")
   parser.add_argument("--steps", type=int, default=50)
   parser.add_argument("--out", default=None)
+  _results.add_record_arg(parser)
   args = parser.parse_args(argv)
-  out = args.out or os.path.join(ROOT, "experiments", "results",
-                                 "gspo_token_equivalence_quick" if args.quick
-                                 else "gspo_token_equivalence")
+  out = _results.out_path(args, "gspo_token_equivalence_quick" if args.quick
+                          else "gspo_token_equivalence")
   os.makedirs(out, exist_ok=True)
   summary = run(3 if args.quick else args.steps)
   with open(os.path.join(out, "summary.json"), "w") as f:

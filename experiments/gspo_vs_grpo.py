@@ -5,12 +5,12 @@ Same task, model, data stream and seeds; each loss with its own clip range, the 
 4 minibatches, so later updates are off-policy.
 The cold start is deterministic per seed, so GSPO and GRPO start from the same policy.
 
-    python experiments/gspo_vs_grpo.py --quick                    # a few minutes on 2 CPU cores
-    python experiments/gspo_vs_grpo.py --seeds 0 1 2              # full: configs/addition_tiny.py
-    python experiments/gspo_vs_grpo.py --losses grpo --seeds 0    # one part (run parts in parallel),
-    python experiments/gspo_vs_grpo.py --plot-only                # then summarise what is there
-    python experiments/gspo_vs_grpo.py --task long --seeds 0 1 2  # configs/long_chain.py
-    python experiments/gspo_vs_grpo.py --task long --losses sapo cispo gmpo luspo --seeds 0 1
+    python -m experiments.gspo_vs_grpo --quick                    # a few minutes on 2 CPU cores
+    python -m experiments.gspo_vs_grpo --seeds 0 1 2              # full: configs/addition_tiny.py
+    python -m experiments.gspo_vs_grpo --losses grpo --seeds 0    # one part (run parts in parallel),
+    python -m experiments.gspo_vs_grpo --plot-only                # then summarise what is there
+    python -m experiments.gspo_vs_grpo --task long --seeds 0 1 2  # configs/long_chain.py
+    python -m experiments.gspo_vs_grpo --task long --losses sapo cispo gmpo luspo --seeds 0 1
                                           # the objectives after GSPO beside the same runs
 
 Writes under --out: runs/<loss>_seed<k>/ (metrics.jsonl ...), summary.json, and plots
@@ -21,30 +21,17 @@ quartile of max_new_tokens).
 
 from __future__ import annotations
 
-import dataclasses
-import os
-import sys
-
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from experiments import _runs  # noqa: E402
-from gspo_jax.config import TrainConfig  # noqa: E402
+from experiments import _runs
 
 LOSSES = ("gspo", "grpo")  # the default comparison
 AFTER_GSPO = ("sapo", "sapo_seq", "cispo", "gmpo", "luspo")  # docs/losses.md, on request
 
 
-def config(loss: str, seed: int, quick: bool, iterations: int | None,
-           task: str = "addition") -> TrainConfig:
-  """The task's config file (`_runs.base_config`) with `loss`, eps unset so that each loss
-  clips at its own (the paper's) range whatever the config file sets."""
-  cfg = _runs.base_config(task, quick)
-  if iterations:
-    cfg = dataclasses.replace(cfg, iterations=iterations)
-  return dataclasses.replace(cfg, loss=loss, eps_low=None, eps_high=None, seed=seed)
+# One loss's run: the task's config file with `loss`, clipping at the loss's own range
+# (`_runs.loss_config`, shared with precision_training.py).
+config = _runs.loss_config
 
 
 BIN_KEYS = tuple(f"clip_frac_{u}_len_q{k}" for u in ("token", "seq") for k in range(1, 5))

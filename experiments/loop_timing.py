@@ -1,6 +1,6 @@
 """Seconds per iteration of a checkout's own training loop, for before/after comparisons.
 
-    python experiments/loop_timing.py --trees OLD_CHECKOUT NEW_CHECKOUT [--rounds 3]
+    python -m experiments.loop_timing --trees OLD_CHECKOUT NEW_CHECKOUT [--rounds 3]
 
 Each round runs every tree once, in turn (A B A B ...), each in a fresh process that imports
 `gspo_jax` from that tree and calls its `train.train` on one config (the `benchmark.py
@@ -24,7 +24,8 @@ import time
 
 
 def time_tree(tree: str, iterations: int, skip: int, seed: int) -> dict:
-  sys.path.insert(0, os.path.abspath(tree))
+  """One tree's intervals, in the process `main` starts with PYTHONPATH = the tree (so
+  `gspo_jax` is that tree's; the report records which file was imported)."""
   from gspo_jax import metrics, train
   try:
     from gspo_jax.config import RolloutConfig, SFTConfig, TrainConfig
@@ -53,6 +54,13 @@ def time_tree(tree: str, iterations: int, skip: int, seed: int) -> dict:
           "intervals": len(gaps)}
 
 
+def tree_env(tree: str) -> dict:
+  """The environment of a child timing `tree`: its checkout first on PYTHONPATH, so the child
+  imports that tree's `gspo_jax` (this script imports nothing of the package itself)."""
+  path = [os.path.abspath(tree), os.environ.get("PYTHONPATH", "")]
+  return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--trees", nargs="+", required=True, help="checkout roots, timed in turn")
@@ -72,7 +80,8 @@ def main(argv=None):
       out = subprocess.run([sys.executable, os.path.abspath(__file__), "--trees", tree,
                             "--one", tree, "--iterations", str(args.iterations), "--skip",
                             str(args.skip), "--seed", str(args.seed)],
-                           capture_output=True, text=True, check=True, cwd=tempfile.gettempdir())
+                           capture_output=True, text=True, check=True,
+                           cwd=tempfile.gettempdir(), env=tree_env(tree))
       result = json.loads(out.stdout.strip().splitlines()[-1])
       runs[tree].append(result)
       print(f"round {r}: {tree}: {result['median_s'] * 1e3:.1f} ms per iteration (median)",

@@ -8,9 +8,9 @@ GSPO and one GRPO update (4 minibatches, each loss's own clip range, the paper's
 from the same state; we compare each (response token, MoE layer)'s top-k expert set before
 and after, on the same inputs.
 
-    python experiments/moe_routing.py [--quick]
+    python -m experiments.moe_routing [--quick]
 
-Writes experiments/results/moe_routing[_quick]/summary.json.
+Writes runs/results/moe_routing[_quick]/summary.json (experiments/results/ with --record).
 """
 
 from __future__ import annotations
@@ -19,20 +19,19 @@ import argparse
 import dataclasses
 import json
 import os
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from experiments import _results
+from gspo_jax import coldstart, configlib, programs, sharding, step
+from gspo_jax.config import TrainConfig
+from gspo_jax.models.config import tiny_moe
+from gspo_jax.rollout import rollout_step
+from gspo_jax.run import setup
 
-from gspo_jax import coldstart, configlib, programs, sharding, step  # noqa: E402
-from gspo_jax.config import TrainConfig  # noqa: E402
-from gspo_jax.models.config import tiny_moe  # noqa: E402
-from gspo_jax.rollout import rollout_step  # noqa: E402
-from gspo_jax.run import setup  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 LOSSES = ("gspo", "grpo")
 
@@ -97,9 +96,9 @@ def main(argv=None):
   parser.add_argument("--quick", action="store_true")
   parser.add_argument("--lrs", nargs="+", type=float, default=[1e-4, 1e-3])
   parser.add_argument("--out", default=None)
+  _results.add_record_arg(parser)
   args = parser.parse_args(argv)
-  out = args.out or os.path.join(ROOT, "experiments", "results",
-                                 "moe_routing_quick" if args.quick else "moe_routing")
+  out = _results.out_path(args, "moe_routing_quick" if args.quick else "moe_routing")
   os.makedirs(out, exist_ok=True)
   summary = run(args.quick, args.lrs[:1] if args.quick else args.lrs, out)
   with open(os.path.join(out, "summary.json"), "w") as f:

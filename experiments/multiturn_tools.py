@@ -8,10 +8,10 @@ its turn). Variants (same cold start per seed, same data stream):
   gspo_episode      GSPO, one advantage per episode from the summed reward
   grpo_episode      GRPO (0.2 / 0.27 per token), the same per-episode advantages
 
-    python experiments/multiturn_tools.py [--quick] [--seeds 0 1] [--variants ...]
+    python -m experiments.multiturn_tools [--quick] [--seeds 0 1] [--variants ...]
 
-Writes experiments/results/multiturn_tools[_quick]/{summary.json, heldout.png,
-reward.png, tool_calls.png, malformed_calls.png}.
+Writes runs/results/multiturn_tools[_quick]/{summary.json, heldout.png,
+reward.png, tool_calls.png, malformed_calls.png} (experiments/results/ with --record).
 """
 
 from __future__ import annotations
@@ -20,12 +20,11 @@ import dataclasses
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from experiments import _runs
+from gspo_jax import configlib
+from gspo_jax.config import SFTConfig
 
-from experiments import _runs  # noqa: E402
-from gspo_jax import configlib  # noqa: E402
-from gspo_jax.config import SFTConfig  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 VARIANTS = {"gspo_token_turn": ("gspo_token", "turn"), "gspo_episode": ("gspo", "episode"),
             "grpo_episode": ("grpo", "episode")}

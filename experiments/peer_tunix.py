@@ -2,10 +2,11 @@
 
     python3.11 -m venv .venv-tunix
     .venv-tunix/bin/pip install -r requirements.txt google-tunix==0.1.7
-    .venv-tunix/bin/python experiments/peer_tunix.py      # a few minutes on 2 CPU cores
+    .venv-tunix/bin/python -m experiments.peer_tunix      # a few minutes on 2 CPU cores
 
 tunix is not a dependency of gspo_jax: it is imported only inside this script, which stops
-with a message (exit code 2) when it is missing. Writes experiments/results/peer_tunix.json.
+with a message (exit code 2) when it is missing. Writes runs/results/peer_tunix.json
+(experiments/results/ with --record).
 
 What is compared, and why it is the same work on both sides:
 
@@ -68,17 +69,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from experiments import _bench, _results
+from gspo_jax import optim, programs, sampling, step
+from gspo_jax.advantages import group_advantages
+from gspo_jax.config import RolloutConfig, TrainConfig
+from gspo_jax.models import config as our_config
+from gspo_jax.models import transformer
 
-from experiments import benchmark  # noqa: E402
-from gspo_jax import optim, programs, sampling, step  # noqa: E402
-from gspo_jax.advantages import group_advantages  # noqa: E402
-from gspo_jax.config import RolloutConfig, TrainConfig  # noqa: E402
-from gspo_jax.models import config as our_config  # noqa: E402
-from gspo_jax.models import transformer  # noqa: E402
-
-RESULT = os.path.join(ROOT, "experiments", "results", "peer_tunix.json")
 TARGET_SPEEDUP = 2.0
 # Stored in the record: exactly what each side's timed call runs.
 WHAT_RUNS = {
@@ -115,7 +112,7 @@ def import_tunix():
     print(f"peer_tunix.py needs tunix ({e}). Make a separate venv:\n"
           f"  python3.11 -m venv .venv-tunix\n"
           f"  .venv-tunix/bin/pip install -r requirements.txt google-tunix==0.1.7\n"
-          f"  .venv-tunix/bin/python experiments/peer_tunix.py", file=sys.stderr)
+          f"  .venv-tunix/bin/python -m experiments.peer_tunix", file=sys.stderr)
     sys.exit(2)
   return argparse.Namespace(
       qwen3=qwen3, gen_utils=gen_utils, algo_core=algo_core, common=common,
@@ -526,7 +523,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--sampling-only", action="store_true", help="skip the update comparison")
   p.add_argument("--sampling-repeats", type=int, default=15)
   p.add_argument("--update-repeats", type=int, default=5)
-  p.add_argument("--out", default=RESULT, help="JSON record path")
+  p.add_argument("--out", default=None, help="JSON record path (default: peer_tunix.json "
+                 "under runs/results/, or experiments/results/ with --record)")
+  _results.add_record_arg(p)
   return p
 
 
@@ -544,8 +543,8 @@ def main(argv=None):
   ours = transformer.create(our_model_config(args))
   theirs = their_model_from(tx, ours)
   tokens = jnp.asarray(np.random.default_rng(2).integers(1, args.vocab, (2, 64)), jnp.int32)
-  record = {"command": "python experiments/peer_tunix.py " + " ".join(argv), "args": vars(args),
-            "machine": benchmark.machine(), "versions": versions(), "what_runs": WHAT_RUNS,
+  record = {"command": "python -m experiments.peer_tunix " + " ".join(argv), "args": vars(args),
+            "machine": _bench.machine(), "versions": versions(), "what_runs": WHAT_RUNS,
             "model": dataclasses.asdict(ours.cfg), "params": param_count(ours),
             "logits_check": logits_check(tx, ours, theirs, tokens)}
   record["sampling"] = [bench_sampling(tx, ours, theirs, argparse.Namespace(
@@ -562,10 +561,11 @@ def main(argv=None):
   record["seconds"] = time.perf_counter() - t0
   record["load_average_before"], record["load_average_after"] = load_before, os.getloadavg()
   print_report(record)
-  os.makedirs(os.path.dirname(args.out), exist_ok=True)
-  with open(args.out, "w") as f:
+  path = _results.out_path(args, "peer_tunix.json")
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, "w") as f:
     json.dump(record, f, indent=2)
-  print("wrote", args.out)
+  print("wrote", path)
 
 
 if __name__ == "__main__":

@@ -9,11 +9,12 @@ response shrinks it. We report the spread of both log-ratios and the fraction th
 outside each method's clip range; for an MoE policy also how many of the sampler's expert
 choices the float32 trainer would not make (the gap Rollout Routing Replay closes).
 
-    python experiments/precision_gap.py [--quick] [--run RUN_DIR] [--prompts 256]
+    python -m experiments.precision_gap [--quick] [--run RUN_DIR] [--prompts 256]
 
 RUN_DIR: a training run directory (default: the GSPO seed-0 run of gspo_vs_grpo, if present;
 otherwise a cold-started model is trained here). Writes
-experiments/results/precision_gap[_quick]/summary.json and log_ratio_hist.png.
+runs/results/precision_gap[_quick]/summary.json and log_ratio_hist.png (with --record, the
+run and the output under experiments/results/).
 """
 
 from __future__ import annotations
@@ -22,20 +23,20 @@ import argparse
 import dataclasses
 import json
 import os
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments import _plots, _results
+from gspo_jax import losses, programs, sharding, step
+from gspo_jax.run import load_run
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
-from experiments import _plots  # noqa: E402
-from gspo_jax import losses, programs, sharding, step  # noqa: E402
-from gspo_jax.run import load_run  # noqa: E402
-
-DEFAULT_RUN = os.path.join(ROOT, "experiments", "results", "gspo_vs_grpo", "runs", "gspo_seed0")
+# The GSPO seed-0 run of gspo_vs_grpo.py, from the same place this run writes to (--record
+# or not).
+DEFAULT_RUN = os.path.join("gspo_vs_grpo", "runs", "gspo_seed0")
 
 
 def bf16_sampler(run, dtype: str = "bfloat16"):
@@ -111,16 +112,17 @@ def plot(token_lr, seq_lr, out: str) -> str:
 def main(argv=None):
   parser = argparse.ArgumentParser(description="bf16 sampler vs f32 trainer log-ratio spread")
   parser.add_argument("--quick", action="store_true", help="16 prompts")
-  parser.add_argument("--run", default=None, help=f"training run (default {DEFAULT_RUN})")
+  parser.add_argument("--run", default=None, help=f"training run (default {DEFAULT_RUN} under "
+                      "runs/results/, or experiments/results/ with --record)")
   parser.add_argument("--prompts", type=int, default=256)
   parser.add_argument("--out", default=None)
+  _results.add_record_arg(parser)
   args = parser.parse_args(argv)
-  out = args.out or os.path.join(ROOT, "experiments", "results",
-                                 "precision_gap_quick" if args.quick else "precision_gap")
+  out = _results.out_path(args, "precision_gap_quick" if args.quick else "precision_gap")
   os.makedirs(out, exist_ok=True)
-  run_dir = args.run or DEFAULT_RUN
+  run_dir = args.run or os.path.join(_results.results_dir(args.record), DEFAULT_RUN)
   if not os.path.exists(os.path.join(run_dir, "config.json")):
-    raise SystemExit(f"no training run at {run_dir}: run experiments/gspo_vs_grpo.py first, or "
+    raise SystemExit(f"no training run at {run_dir}: run `python -m experiments.gspo_vs_grpo` first, or "
                      "pass --run")
   run = load_run(run_dir)
   summary, token_lr, seq_lr = measure(run, 16 if args.quick else args.prompts)

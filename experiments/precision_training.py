@@ -12,11 +12,11 @@ activations cast; `rollout.sampler_dtype`) and trains in float32 on configs/addi
                                    min(pi_old / pi_sampler, 2) (truncated importance sampling,
                                    `rollout_correction.level=token`; docs/losses.md), on request
 
-    python experiments/precision_training.py --quick
-    python experiments/precision_training.py --seeds 0          # full, 300 iterations each
-    python experiments/precision_training.py --plot-only
-    python experiments/precision_training.py --task long --seeds 0 1 2   # configs/long_chain.py
-    python experiments/precision_training.py --task long --seeds 0 1 \
+    python -m experiments.precision_training --quick
+    python -m experiments.precision_training --seeds 0          # full, 300 iterations each
+    python -m experiments.precision_training --plot-only
+    python -m experiments.precision_training --task long --seeds 0 1 2   # configs/long_chain.py
+    python -m experiments.precision_training --task long --seeds 0 1 \
         --variants gspo_recompute gspo_corrected grpo_recompute grpo_corrected
 
 Writes under --out: runs/<variant>_seed<k>/, summary.json, reward.png, heldout.png,
@@ -26,15 +26,9 @@ clip_fraction.png.
 from __future__ import annotations
 
 import dataclasses
-import os
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from experiments import _runs  # noqa: E402
-from experiments.gspo_vs_grpo import config as base_config  # noqa: E402
-from gspo_jax.config import RolloutCorrectionConfig, TrainConfig  # noqa: E402
+from experiments import _runs
+from gspo_jax.config import RolloutCorrectionConfig, TrainConfig
 
 VARIANTS = {f"{loss}_{src}": (loss, src) for loss in ("gspo", "grpo")
             for src in ("recompute", "sampler", "corrected")}
@@ -46,7 +40,7 @@ COLOURS = {"gspo_recompute": "tab:blue", "gspo_sampler": "tab:cyan", "gspo_corre
 def config(variant: str, seed: int, quick: bool, iterations: int | None,
            task: str = "addition") -> TrainConfig:
   loss, source = VARIANTS[variant]
-  cfg = base_config(loss, seed, quick, iterations, task)
+  cfg = _runs.loss_config(loss, seed, quick, iterations, task)
   corrected = source == "corrected"
   cfg = dataclasses.replace(cfg, old_logp="recompute" if corrected else source,
                             rollout=dataclasses.replace(cfg.rollout, sampler_dtype="bfloat16"))

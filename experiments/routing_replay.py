@@ -17,11 +17,11 @@ differ from the float32 trainer's:
   grpo_r3_bf16:     GRPO replaying the sampler's own choices (Rollout Routing Replay, R3:
                     `routing=rollout_replay`)
 
-    python experiments/routing_replay.py --quick                 # a few minutes on 2 CPU cores
-    python experiments/routing_replay.py --seeds 0 1             # full
-    python experiments/routing_replay.py --plot-only
-    python experiments/routing_replay.py --task long --seeds 0 1 2   # configs/long_chain.py
-    python experiments/routing_replay.py --task long --seeds 0 1 --variants grpo_replay_bf16 grpo_r3_bf16
+    python -m experiments.routing_replay --quick                 # a few minutes on 2 CPU cores
+    python -m experiments.routing_replay --seeds 0 1             # full
+    python -m experiments.routing_replay --plot-only
+    python -m experiments.routing_replay --task long --seeds 0 1 2   # configs/long_chain.py
+    python -m experiments.routing_replay --task long --seeds 0 1 --variants grpo_replay_bf16 grpo_r3_bf16
 
 Writes under --out: runs/<variant>_seed<k>/, summary.json, reward.png, heldout.png,
 routing_changed.png, clip_fraction.png, ratio_range.png.
@@ -30,15 +30,10 @@ routing_changed.png, clip_fraction.png, ratio_range.png.
 from __future__ import annotations
 
 import dataclasses
-import os
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from experiments import _runs  # noqa: E402
-from gspo_jax.config import TrainConfig  # noqa: E402
-from gspo_jax.models.config import tiny_moe  # noqa: E402
+from experiments import _runs
+from gspo_jax.config import TrainConfig
+from gspo_jax.models.config import tiny_moe
 
 VARIANTS = {"grpo_free": ("grpo", "track"), "grpo_replay": ("grpo", "replay"),
             "gspo_free": ("gspo", "track"), "grpo_replay_bf16": ("grpo", "replay"),

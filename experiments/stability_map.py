@@ -16,12 +16,12 @@ the second half of its iterations is below the cold start's held-out accuracy (i
 below where RL began and did not come back). Each length has its own cold start per seed,
 shared by every cell of that length.
 
-    python experiments/stability_map.py --quick                   # tiny sizes, 2 cells
-    python experiments/stability_map.py --seeds 0                 # the whole grid, 36 runs
-    python experiments/stability_map.py --lengths long --losses grpo   # a part
-    python experiments/stability_map.py --plot-only
+    python -m experiments.stability_map --quick                   # tiny sizes, 2 cells
+    python -m experiments.stability_map --seeds 0                 # the whole grid, 36 runs
+    python -m experiments.stability_map --lengths long --losses grpo   # a part
+    python -m experiments.stability_map --plot-only
 
-Writes under --out (default experiments/results/stability_map[_quick]):
+Writes under --out (default runs/results/stability_map[_quick]; experiments/results/ with --record):
 <length>/runs/<loss>_mb<M>_lr<lr>_seed<k>/, summary.json, stability_map.png (final
 held-out gain per cell, collapsed cells marked) and clip_vs_length.png (clip fractions
 against response length).
@@ -32,15 +32,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import sys
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from experiments import _plots, _runs  # noqa: E402
-from gspo_jax.config import TrainConfig  # noqa: E402
+from experiments import _plots, _results, _runs
+from gspo_jax.config import TrainConfig
 
 LENGTHS = {"short": (3, 40), "medium": (6, 72), "long": (11, 120)}   # task_steps, max_new_tokens
 MINIBATCHES = (1, 4, 16)
@@ -162,9 +158,9 @@ def main(argv=None) -> dict:
   parser.add_argument("--iterations", type=int, default=None, help="override (default 20)")
   parser.add_argument("--plot-only", action="store_true")
   parser.add_argument("--out", default=None)
+  _results.add_record_arg(parser)
   args = parser.parse_args(argv)
-  out = args.out or os.path.join(ROOT, "experiments", "results",
-                                 "stability_map_quick" if args.quick else "stability_map")
+  out = _results.out_path(args, "stability_map_quick" if args.quick else "stability_map")
   if not args.plot_only:
     for seed in args.seeds:
       for length in args.lengths:

@@ -1,18 +1,27 @@
 """The benchmark script runs end to end at toy sizes (it measures; it asserts no speed)."""
 
+import argparse
 import json
 import os
 import runpy
+import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY_LOGPROBS = ["logprobs", "--batch", "2", "--tokens", "16", "--width", "8", "--vocab", "64",
+                 "--chunk", "4", "--repeats", "1"]
+
+
+def _git(*args) -> subprocess.CompletedProcess:
+  return subprocess.run(["git", "-C", ROOT, *args], capture_output=True, text=True)
 
 
 def test_benchmark_logprobs_runs(tmp_path, monkeypatch, capsys):
-  argv = ["benchmark.py", "--out", str(tmp_path), "logprobs", "--batch", "2", "--tokens", "16",
-          "--width", "8", "--vocab", "64", "--chunk", "4", "--repeats", "1"]
+  argv = ["benchmark.py", "--out", str(tmp_path), *TINY_LOGPROBS]
   monkeypatch.setattr(sys, "argv", argv)
-  runpy.run_path(os.path.join(ROOT, "experiments", "benchmark.py"), run_name="__main__")
+  runpy.run_module("experiments.benchmark", run_name="__main__")
   record = json.load(open(tmp_path / "benchmark_logprobs.json"))
   result = record["result"]
   assert result["abs_diff_sum_logp"] < 1e-3
@@ -25,7 +34,7 @@ def test_benchmark_compile_runs(tmp_path, monkeypatch):
           "--width", "16", "--heads", "2", "--kv-heads", "1", "--vocab", "32", "--rows", "2",
           "--prompt-len", "4", "--new-tokens", "2", "--programs", "update"]
   monkeypatch.setattr(sys, "argv", argv)
-  runpy.run_path(os.path.join(ROOT, "experiments", "benchmark.py"), run_name="__main__")
+  runpy.run_module("experiments.benchmark", run_name="__main__")
   record = json.load(open(tmp_path / "benchmark_compile.json"))
   (row,) = record["result"]["rows"]
   assert row["mode"] == "scan" and row["layers"] == 2 and row["update_compile_seconds"] > 0
@@ -37,7 +46,7 @@ def test_benchmark_long_runs(tmp_path, monkeypatch):
           "--vocab", "32", "--prompts", "2", "--group", "2", "--prompt-len", "4", "--rows", "2",
           "--remat", "none", "--attention-chunk", "0", "8", "--repeats", "1"]
   monkeypatch.setattr(sys, "argv", argv)
-  runpy.run_path(os.path.join(ROOT, "experiments", "benchmark.py"), run_name="__main__")
+  runpy.run_module("experiments.benchmark", run_name="__main__")
   result = json.load(open(tmp_path / "benchmark_long.json"))["result"]
   full, varying = result["sampler"]
   assert full["lengths"] == "full" and varying["lengths"] == "varying"
@@ -65,3 +74,35 @@ def test_device_check_runs_at_tiny_size(tmp_path):
   (update,) = tiny["update"]
   assert "error" not in update and update["seconds"] > 0 and update["temp_bytes"] > 0
   assert record["machine"]["backend"] == "cpu" and len(record["load_average_before"]) == 3
+
+
+def test_benchmark_without_record_leaves_the_checkout_clean(monkeypatch, capsys):
+  # Trying a benchmark must not rewrite the committed results: without --record (or --out)
+  # the record goes to runs/results/, which git ignores.
+  before = _git("status", "--porcelain", "--", "experiments")
+  if before.returncode != 0:
+    pytest.skip("not a git checkout")
+  monkeypatch.setattr(sys, "argv", ["benchmark.py", *TINY_LOGPROBS])
+  runpy.run_module("experiments.benchmark", run_name="__main__")
+  path = capsys.readouterr().out.split("wrote ")[-1].strip()
+  assert path == os.path.join(ROOT, "runs", "results", "benchmark_logprobs.json")
+  assert json.load(open(path))["result"]["abs_diff_sum_logp"] < 1e-3
+  assert _git("check-ignore", "-q", path).returncode == 0  # 0: ignored
+  assert _git("status", "--porcelain", "--", "experiments").stdout == before.stdout
+
+
+def test_record_writes_the_committed_results():
+  # --record resolves to the committed folder (checked without running a benchmark); --out
+  # wins over both.
+  build_parser = runpy.run_module("experiments.benchmark")["build_parser"]
+  from experiments import _results
+  out = lambda *argv: _results.out_path(build_parser().parse_args([*argv, "logprobs"]))
+  committed = os.path.join(ROOT, "experiments", "results")
+  assert out("--record") == committed
+  assert os.path.exists(os.path.join(committed, "benchmark_logprobs.json"))
+  assert out() == os.path.join(ROOT, "runs", "results")
+  assert out("--record", "--out", "elsewhere") == "elsewhere"
+  # The training experiments' folders resolve the same way (`_runs.main`, `--task long`).
+  args = argparse.Namespace(out=None, record=True)
+  assert _results.out_path(args, "gspo_vs_grpo_long") == os.path.join(committed,
+                                                                       "gspo_vs_grpo_long")

@@ -33,22 +33,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-
-def add_shape_args(p) -> None:
-  """The decode benchmarks' shape (`long` and `decode`): B prompts of P tokens x G, the
-  tiny model's width, layers and vocabulary."""
-  p.add_argument("--prompts", type=int, default=8)
-  p.add_argument("--group", type=int, default=4)
-  p.add_argument("--prompt-len", type=int, default=32)
-  p.add_argument("--width", type=int, default=256)
-  p.add_argument("--layers", type=int, default=2)
-  p.add_argument("--vocab", type=int, default=4096)
+from experiments import _bench
+from experiments._bench import timed, update_flops
 
 
 def add_parser(sub) -> None:
   p = sub.add_parser("long", help="sampler and update step at long response lengths")
   p.add_argument("--new-tokens", type=int, nargs="+", default=[256, 512, 1024])
-  add_shape_args(p)
+  _bench.add_shape_args(p)
   p.add_argument("--stop-frac", type=float, default=0.25,
                  help="varying lengths: mean response length ~ this fraction of T")
   p.add_argument("--rows", type=int, default=16, help="rows of the update's minibatch")
@@ -77,7 +69,6 @@ def _flat_unembedding(model) -> None:
 def sampler_row(args, T: int, varying: bool) -> dict:
   from gspo_jax import sampling
   from gspo_jax.models import transformer
-  from experiments.benchmark import timed
   mcfg = _model(args, T)
   model = transformer.create(mcfg)
   B, P, G = args.prompts, args.prompt_len, args.group
@@ -153,9 +144,8 @@ def compact_row(args, T: int) -> dict:
 
 
 def update_row(args, T: int, remat: str, attention_chunk: int = 0) -> dict:
-  from experiments.benchmark import _update_program, timed, update_flops
   mcfg = dataclasses.replace(_model(args, T), remat=remat, attention_chunk=attention_chunk)
-  step, state, inputs = _update_program(mcfg, args.rows, args.prompt_len, T)
+  step, state, inputs = _bench.update_program(mcfg, args.rows, args.prompt_len, T)
   t0 = time.perf_counter()
   compiled = step.lower(state, *inputs).compile()
   compile_s = time.perf_counter() - t0

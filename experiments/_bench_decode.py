@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import io
 import os
 import re
@@ -38,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import bench_long
+from experiments import _bench, _results
 
 VARIANTS = ("baseline", "phased", "one_phase", "bf16_cache")
 
@@ -46,7 +47,7 @@ VARIANTS = ("baseline", "phased", "one_phase", "bf16_cache")
 def add_parser(sub) -> None:
   p = sub.add_parser("decode", help="time per decode step vs new tokens, against a baseline")
   p.add_argument("--new-tokens", type=int, nargs="+", default=[64, 256, 1024])
-  bench_long.add_shape_args(p)
+  _bench.add_shape_args(p)
   p.add_argument("--scan", action="store_true", help="ModelConfig.scan_layers=True")
   p.add_argument("--baseline", default="8ccb752",
                  help="commit whose sampler to compare with ('' = none)")
@@ -58,9 +59,8 @@ def add_parser(sub) -> None:
 
 def baseline_package(commit: str):
   """gspo_jax as of `commit`, importable next to this checkout's (as gspo_jax_<commit>)."""
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   name = "gspo_jax_" + re.sub(r"\W", "_", commit)
-  tar = subprocess.run(["git", "-C", root, "archive", commit, "gspo_jax"], check=True,
+  tar = subprocess.run(["git", "-C", _results.ROOT, "archive", commit, "gspo_jax"], check=True,
                        capture_output=True).stdout
   where = tempfile.mkdtemp(prefix="bench_decode_")
   tarfile.open(fileobj=io.BytesIO(tar)).extractall(where, filter="data")
@@ -70,8 +70,15 @@ def baseline_package(commit: str):
       path = os.path.join(folder, f)
       text = open(path).read()
       open(path, "w").write(re.sub(r"\bgspo_jax\b", name, text))
-  sys.path.insert(0, where)
-  return importlib.import_module(name)
+  # Loaded from its folder rather than through sys.path: its submodules resolve through the
+  # package's own __path__, and nothing else this process imports can come from there.
+  package = os.path.join(where, name)
+  spec = importlib.util.spec_from_file_location(
+      name, os.path.join(package, "__init__.py"), submodule_search_locations=[package])
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[name] = module
+  spec.loader.exec_module(module)
+  return module
 
 
 def _model(args, pkg):
