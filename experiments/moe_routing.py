@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import _results
-from gspo_jax import coldstart, configlib, programs, sharding, step
+from gspo_jax import coldstart, configlib, evaluate, programs, sharding, step
 from gspo_jax.config import TrainConfig
 from gspo_jax.models.config import tiny_moe
 from gspo_jax.rollout import rollout_step
@@ -69,7 +69,9 @@ def run(quick: bool, lrs, out: str) -> dict:
   run_dir = os.path.join(out, "runs", "setup")  # the task tokenizer (ignored by git)
   for lr in lrs:
     base = setup(config(quick, lr), run_dir)
-    base.state = base.programs.init(coldstart.cold_start(base, log=lambda *a: None))
+    probe = lambda params, examples: evaluate.evaluate(base, params, examples)["accuracy"]
+    base.state = base.programs.init(coldstart.cold_start(base, probe_accuracy=probe,
+                                                         log=lambda *a: None))
     r = rollout_step(base, base.state.params, base.state.key, 0)
     B, G, T = r.batch.tokens_BxGxT.shape
     mask = np.asarray(r.batch.mask_BxGxT).reshape(B * G, T) > 0

@@ -8,36 +8,38 @@ run's `programs.sft` (params and optimiser state donated).
 
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 
-from gspo_jax import evaluate, rng, sharding, text
+from gspo_jax import rng, sharding
 
 
 def supervised_batch(run, examples):
   """This process's rows of a global demonstration batch, fed as global arrays:
-  (prompts_BxP, lens_B, tokens_BxT, mask_BxT)."""
-  cfg, tok, mesh = run.cfg, run.tok, run.layout.mesh
+  (prompts_BxP, lens_B, tokens_BxT, mask_BxT); the solutions as the run's kind of rollout
+  writes them (`Run.rollout.demonstrations`)."""
+  mesh = run.layout.mesh
   B = len(examples)
   mine = sharding.local_part(examples, mesh)
   prompts, lens = run.encode_prompts([e.prompt for e in mine])
-  if cfg.multiturn.env:  # observations in the demonstrations condition, are not learned
-    tokens, mask = text.encode_segments(tok, [run.task.demonstration_segments(e) for e in mine],
-                                        cfg.rollout.max_new_tokens)
-  else:
-    tokens, mask = text.encode_completions(tok, [run.task.demonstration(e) for e in mine],
-                                           cfg.rollout.max_new_tokens)
+  tokens, mask = run.rollout.demonstrations(run, mine)
   return tuple(sharding.feed(x, mesh, B) for x in (prompts, lens, tokens, mask))
 
 
-def cold_start(run, *, log=print):
+def cold_start(run, *, probe_accuracy: Callable | None = None, log=print):
   """Up to `cfg.sft.steps` AdamW steps (warmup-cosine schedule) from `run.state.params`,
-  stopping early once the greedy accuracy on a probe of train-split problems reaches
-  `cfg.sft.target_accuracy`. The held-out set is never looked at. Returns the new params
-  (sharded like the run's); `run.state` itself is left as it was."""
+  stopping early once `probe_accuracy(params, probe)` (the loop passes greedy accuracy,
+  `evaluate.evaluate`) on a probe of train-split problems reaches `cfg.sft.target_accuracy`.
+  The held-out set is never looked at. Returns the new params (sharded like the run's);
+  `run.state` itself is left as it was."""
   cfg, task = run.cfg, run.task
   if cfg.sft.steps <= 0:
     return run.state.params
+  if cfg.sft.target_accuracy and probe_accuracy is None:
+    raise ValueError("cold_start: sft.target_accuracy > 0 needs probe_accuracy (the loop "
+                     "passes the greedy accuracy of gspo_jax.evaluate)")
   probe = task.sample(rng.host_rng(cfg.seed, "sft_probe"), cfg.sft.probe_size, "train")
   params = jax.tree.map(jnp.copy, run.state.params)  # the step donates its inputs
   opt_state = run.programs.sft_init(params)
@@ -47,7 +49,7 @@ def cold_start(run, *, log=print):
     params, opt_state, loss = run.programs.sft(params, opt_state, batch)
     done = i + 1
     if cfg.sft.target_accuracy and done % cfg.sft.check_every == 0:
-      acc = evaluate.evaluate(run, params, probe)["accuracy"]
+      acc = probe_accuracy(params, probe)
       log(f"cold start step {done:4d}/{cfg.sft.steps}: loss {float(loss):.4f}, "
           f"train-probe accuracy {acc:.3f}")
       if acc >= cfg.sft.target_accuracy:

@@ -21,7 +21,7 @@ import re
 import jax
 import numpy as np
 
-from gspo_jax import programs, sharding, text
+from gspo_jax import sharding, text
 
 
 def pass_at_k(n: int, c, k: int):
@@ -40,28 +40,23 @@ def pass_at_k(n: int, c, k: int):
   return out if out.ndim else float(out)
 
 
-def _generate(run, sampler, params, chunk, key):
+def _generate(run, respond, params, chunk, key):
   """Responses to this process's rows of `chunk`: (its examples, texts [rows][G])."""
   tok, mesh = run.tok, run.layout.mesh
   mine = sharding.local_part(chunk, mesh)
   prompts, lens = run.encode_prompts([e.prompt for e in mine])
   prompts, lens = sharding.feed(prompts, mesh, len(chunk)), sharding.feed(lens, mesh, len(chunk))
-  if run.cfg.multiturn.env:  # whole episodes: the model's turns and the observations
-    from gspo_jax.multiturn.rollout import sample_episodes
-    ep = sample_episodes(run, sampler, params, prompts, lens, key, mine).episodes
-    tokens, mask = sharding.to_host(ep.tokens_BxGxT), sharding.to_host(ep.mask_BxGxT +
-                                                                       ep.obs_mask_BxGxT)
-  else:
-    rollout = sampler(params, prompts, lens, key)
-    tokens, mask = sharding.to_host(rollout.tokens_BxGxT), sharding.to_host(rollout.mask_BxGxT)
+  tokens_BxGxT, shown_BxGxT = respond(params, prompts, lens, key, mine)
+  tokens, shown = sharding.to_host(tokens_BxGxT), sharding.to_host(shown_BxGxT)
   b, G, L = tokens.shape
-  texts = text.decode_completions(tok, tokens.reshape(b * G, L), mask.reshape(b * G, L))
+  texts = text.decode_completions(tok, tokens.reshape(b * G, L), shown.reshape(b * G, L))
   return mine, [texts[i * G:(i + 1) * G] for i in range(b)]
 
 
-def _responses(run, sampler, params, examples, *, batch: int, seed: int = 0):
-  """Score the sampler's responses to each example, chunk by chunk (each chunk padded with
-  copies of its last problem to a multiple of the batch mesh axes; padding not counted).
+def _responses(run, respond, params, examples, *, batch: int, seed: int = 0):
+  """Score the responses `respond` (a `Run.rollout.responder`) gives to each example, chunk
+  by chunk (each chunk padded with copies of its last problem to a multiple of the batch
+  mesh axes; padding not counted).
 
   Returns (correct_NxG bool, rewards_NxG, this process's (example, texts) pairs)."""
   ways = sharding.batch_ways(run.layout.mesh)
@@ -72,7 +67,7 @@ def _responses(run, sampler, params, examples, *, batch: int, seed: int = 0):
     n = len(chunk)
     chunk += chunk[-1:] * (-n % ways)
     key = jax.random.fold_in(jax.random.key(seed), start)
-    mine, texts = _generate(run, sampler, params, chunk, key)
+    mine, texts = _generate(run, respond, params, chunk, key)
     G = len(texts[0]) if texts else 1
     flat_ex = [e for e in mine for _ in range(G)]
     r, c, _ = run.task.score_batch(flat_ex, [t for ts in texts for t in ts])
@@ -86,14 +81,14 @@ def _responses(run, sampler, params, examples, *, batch: int, seed: int = 0):
 
 def evaluate(run, params, examples, *, batch: int = 256):
   """Greedy accuracy and mean reward of the policy `params` on `examples` (G = 1, argmax
-  decoding, the run's `programs.greedy`). `run` is a `gspo_jax.run.Run`. A multi-turn run
-  (`multiturn.env`) decodes whole episodes with its environment, and the task scores each
+  decoding, the run's `Run.rollout.responder()`). `run` is a `gspo_jax.run.Run`. A
+  multi-turn run decodes whole episodes with its environment, and the task scores each
   episode's text (model turns and observations); pass@k likewise.
 
   With a mesh, each process decodes and scores its own rows, and the results are gathered
   over processes."""
-  greedy = run.programs.episode_greedy if run.cfg.multiturn.env else run.programs.greedy
-  correct, rewards, shown = _responses(run, greedy, params, examples, batch=batch)
+  correct, rewards, shown = _responses(run, run.rollout.responder(run), params, examples,
+                                       batch=batch)
   return {"accuracy": float(correct.mean()), "reward": float(rewards.mean()),
           "greedy": [texts[0] for _, texts in shown]}
 
@@ -102,14 +97,8 @@ def sample_pass_at_k(run, params, examples, *, n: int, k: int, batch: int = 32, 
   """pass@k (mean over examples) from n responses per example, sampled like the rollouts
   (temperature, top-p, top-k of cfg.rollout). Returns the metric, the mean reward, the
   per-example correct counts and this process's (example, texts)."""
-  if run.cfg.multiturn.env:  # n whole episodes per example
-    ecfg, _ = programs.episode_configs(run.tok, run.cfg)
-    sampler = run.programs.make_episodes(dataclasses.replace(
-        ecfg, sampler=dataclasses.replace(ecfg.sampler, group_size=n)))
-  else:
-    rollout_cfg, _ = programs.sampler_configs(run.tok, run.cfg)
-    sampler = run.programs.make_sampler(dataclasses.replace(rollout_cfg, group_size=n))
-  correct, rewards, shown = _responses(run, sampler, params, examples, batch=batch, seed=seed)
+  correct, rewards, shown = _responses(run, run.rollout.responder(run, n), params, examples,
+                                       batch=batch, seed=seed)
   counts = correct.sum(-1)
   return {f"pass@{k}": float(np.mean(pass_at_k(n, counts, k))), "sample_reward":
           float(rewards.mean()), "correct_counts": counts.tolist(), "samples": shown}

@@ -7,6 +7,8 @@ here (the mesh is `cfg.mesh`: one CPU by default, any TPU slice or pod):
   sample   the rollout: prefill + decode loop + on-device rollout statistics; the sampler's
            bf16 cast (rollout.sampler_dtype) happens inside it
   greedy   the evaluation sampler (one greedy response per prompt)
+  episode  multi-turn episodes' start / resume / finish (`episode_programs`; built by
+           `multiturn.rollout.Episodes` when the run has an environment)
   sft      one cold-start step (params and optimiser state donated)
   prepare  teacher-forced pi_old (or the sampler's) and optional pi_ref; dispatched before
            the host scores the rewards, so the device computes it meanwhile
@@ -177,11 +179,6 @@ class Programs:
   update: Any     # (state, batch, rewards_BxG) -> (state, metrics); the state is donated
   step_cfg: step.StepConfig                 # what prepare and update were built with
   make_sampler: Callable[[SamplerConfig], Any]   # another sampler program (pass@k's n samples)
-  # Multi-turn episodes (multiturn.env set; else None): the rollout's and the greedy
-  # evaluation's EpisodePrograms, and EpisodeConfig -> EpisodePrograms (pass@k's n).
-  episode: Any = None
-  episode_greedy: Any = None
-  make_episodes: Callable[[Any], Any] | None = None
 
 
 def make_programs(graphdef, tx, cfg: TrainConfig, layout: Layout, tok) -> Programs:
@@ -217,7 +214,7 @@ def make_programs(graphdef, tx, cfg: TrainConfig, layout: Layout, tok) -> Progra
           # rewards_BxG, or per-turn rewards_BxGxK with multiturn.credit="turn"
           in_shardings=(layout.state, layout.batch, layout.batch),
           out_shardings=(layout.state, rep), donate_argnums=(0,)),
-      step_cfg=scfg, make_sampler=sampler, **_episode_fields(graphdef, cfg, layout, tok))
+      step_cfg=scfg, make_sampler=sampler)
 
 
 def episode_configs(tok, cfg: TrainConfig):
@@ -235,14 +232,6 @@ def episode_configs(tok, cfg: TrainConfig):
   knobs = dict(stop_ids=tuple(stop_ids), max_obs_tokens=mt.max_obs_tokens,
                max_turns=mt.max_turns)
   return tuple(EpisodeConfig(sampler=s, **knobs) for s in sampler_configs(tok, cfg))
-
-
-def _episode_fields(graphdef, cfg: TrainConfig, layout: Layout, tok) -> dict[str, Any]:
-  if not cfg.multiturn.env:
-    return {}
-  build = functools.partial(episode_programs, graphdef, layout=layout)
-  rollout, greedy = episode_configs(tok, cfg)
-  return {"episode": build(rollout), "episode_greedy": build(greedy), "make_episodes": build}
 
 
 def episode_programs(graphdef, ecfg, *, layout: Layout):

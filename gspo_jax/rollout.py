@@ -1,6 +1,14 @@
-"""One rollout of a training iteration: prompts -> G responses each -> rewards.
+"""One rollout of a training iteration: prompts -> G responses each -> rewards; and the
+kind of rollout a run makes (`Groups` here, multi-turn `Episodes` in
+`gspo_jax.multiturn.rollout`), chosen once at setup (`Run.rollout`).
 
 Legend: B prompts per iteration, G responses per prompt, P prompt tokens, T response tokens.
+
+A kind of rollout gives every phase what it needs of it, so no phase asks which kind it has:
+  collect(run, params, key, step, ref_params, log) -> RolloutResult      the training loop
+  responder(run, n) -> (params, prompts_BxP, lens_B, key, examples) -> (tokens_BxGxT,
+      shown_BxGxT): greedy responses (n None, G = 1) or n sampled ones    evaluation, pass@k
+  demonstrations(run, examples) -> (tokens_BxT, mask_BxT) of the solutions  the cold start
 
 The device work is dispatched without waiting: the sampler, then `prepare` (pi_old and
 pi_ref by teacher forcing) right behind it. The host waits only for the sampled tokens,
@@ -21,12 +29,13 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
 
 from gspo_jax import sharding, text
+from gspo_jax.programs import sampler_configs
 from gspo_jax.step import Batch
 
 
@@ -69,3 +78,29 @@ def rollout_step(run, params, key, step: int, ref_params=None, log=print) -> Rol
   if position is not None:
     stats["data_epoch"], stats["data_index"] = position
   return RolloutResult(batch, rewards_BxG, stats, device_stats)
+
+
+@dataclasses.dataclass(frozen=True)
+class Groups:
+  """Single-turn groups: the group sampler's G responses per prompt (`Programs.sample`),
+  greedy evaluation with `Programs.greedy`, demonstrations as one completion each."""
+
+  def collect(self, run, params, key, step: int, ref_params=None, log=print) -> RolloutResult:
+    return rollout_step(run, params, key, step, ref_params, log=log)
+
+  def responder(self, run, n: int | None = None) -> Callable:
+    if n is None:
+      sampler = run.programs.greedy
+    else:  # sampled like the rollouts (temperature, top-p, top-k of cfg.rollout)
+      rollout_cfg, _ = sampler_configs(run.tok, run.cfg)
+      sampler = run.programs.make_sampler(dataclasses.replace(rollout_cfg, group_size=n))
+
+    def respond(params, prompts_BxP, lens_B, key, examples):
+      del examples
+      out = sampler(params, prompts_BxP, lens_B, key)
+      return out.tokens_BxGxT, out.mask_BxGxT
+    return respond
+
+  def demonstrations(self, run, examples):
+    return text.encode_completions(run.tok, [run.task.demonstration(e) for e in examples],
+                                   run.cfg.rollout.max_new_tokens)

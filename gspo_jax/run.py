@@ -33,6 +33,9 @@ class Run:
   tx: Any
   layout: Layout
   programs: Programs
+  # The kind of rollout (`rollout.Groups`, or multi-turn `Episodes`): what the loop, the
+  # evaluation and the cold start call, so none of them asks which kind the run makes.
+  rollout: Any
 
   def encode_prompts(self, prompts):
     """The run's prompts as ids: (ids_BxP, lens_B) padded to rollout.max_prompt_len. A
@@ -47,7 +50,8 @@ class Run:
     layout = _layout(self.state.params, self.tx, self.layout.mesh, cfg)
     return dataclasses.replace(self, cfg=cfg, layout=layout,
                                programs=make_programs(self.graphdef, self.tx, cfg, layout,
-                                                      self.tok))
+                                                      self.tok),
+                               rollout=make_rollout(self.graphdef, cfg, layout, self.tok))
 
 
 def _rendered(task) -> bool:
@@ -57,6 +61,16 @@ def _rendered(task) -> bool:
 def _layout(params, tx, mesh, cfg: TrainConfig) -> Layout:
   sft_tx = sft_optimizer(cfg.sft.steps, cfg.sft.learning_rate) if cfg.sft.steps > 0 else None
   return make_layout(params, tx, mesh, sft_tx)
+
+
+def make_rollout(graphdef, cfg: TrainConfig, layout: Layout, tok):
+  """The run's kind of rollout, chosen here once: multi-turn episodes when `multiturn.env`
+  is set (their programs built now), else single-turn groups."""
+  if cfg.multiturn.env:
+    from gspo_jax.multiturn.rollout import Episodes
+    return Episodes.build(graphdef, cfg, layout, tok)
+  from gspo_jax.rollout import Groups
+  return Groups()
 
 
 def make_task(cfg: TrainConfig):
@@ -189,7 +203,8 @@ def setup(cfg: TrainConfig, run_dir: str) -> Run:
   graphdef, params = nnx.split(model, nnx.Param)
   layout = _layout(params, tx, mesh, cfg)
   programs = make_programs(graphdef, tx, cfg, layout, tok)
-  return Run(cfg, task, tok, graphdef, programs.init(params), tx, layout, programs)
+  return Run(cfg, task, tok, graphdef, programs.init(params), tx, layout, programs,
+             make_rollout(graphdef, cfg, layout, tok))
 
 
 def load_run(run_dir: str, step: int | None = None) -> Run:

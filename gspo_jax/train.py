@@ -3,8 +3,9 @@
     python -m gspo_jax.train --config configs/addition_tiny.py [--set loss=grpo ...]
 
 One iteration (each device phase one compiled program, `gspo_jax.programs`):
-  rollout  `rollout.rollout_step`: sample G responses per prompt, dispatch pi_old / pi_ref
-           (`prepare`), decode and score on the host meanwhile, feed the rewards back
+  rollout  `Run.rollout.collect` (`rollout.Groups`, or multi-turn `Episodes`): sample G
+           responses per prompt, dispatch pi_old / pi_ref (`prepare`), decode and score on
+           the host meanwhile, feed the rewards back
   update   advantages from the rewards, then one optax step per minibatch (`step.update`)
 
 The loop keeps the step counter on the host and fetches each iteration's metrics one
@@ -33,7 +34,6 @@ import numpy as np
 
 from gspo_jax import checkpoint, coldstart, configlib, evaluate, metrics, rundir
 from gspo_jax.config import TrainConfig
-from gspo_jax.rollout import rollout_step
 from gspo_jax.run import Run, heldout, reference_params, setup
 
 SHOW = ("reward_mean", "accuracy", "clip_frac_token", "heldout_accuracy")
@@ -64,11 +64,8 @@ def iterate(run: Run, start: int, stop: int, *, ref_params=None, on_metrics=None
   pending = None
   last = time.perf_counter()
   step = start
-  rollout_fn = rollout_step
-  if run.cfg.multiturn.env:  # episodes with an environment between the model's turns
-    from gspo_jax.multiturn.rollout import episode_rollout_step as rollout_fn
   for it in range(start, stop):
-    r = rollout_fn(run, run.state.params, run.state.key, it, ref_params, log=_log)
+    r = run.rollout.collect(run, run.state.params, run.state.key, it, ref_params, log=_log)
     run.state, update_metrics = run.programs.update(run.state, r.batch, r.rewards_BxG)
     if pending is not None and on_metrics is not None:
       on_metrics(*_fetch(*pending))
@@ -192,7 +189,8 @@ def train(cfg: TrainConfig, run_dir: str, *, resume: bool = False, checkpoint_ev
     else:
       if resume:
         _log(f"--resume: no checkpoint in {run_dir}, starting the run")
-      run.state = run.programs.init(coldstart.cold_start(run, log=_log))
+      probe = lambda params, examples: evaluate.evaluate(run, params, examples)["accuracy"]
+      run.state = run.programs.init(coldstart.cold_start(run, probe_accuracy=probe, log=_log))
       ckpt.maybe_save(0, run.state, force=True)
       start = 0
     if jax.process_index() == 0:  # the run has really started (or been restored)

@@ -140,9 +140,10 @@ def test_evaluation_chunks_draw_their_own_noise(run):
   its own noise, so a problem repeated in two chunks gets independent samples."""
   example = run.task.train_batch(SEED, 0, 1)[0]
   # The run's rollout program as the sampler (already compiled; same shapes as a chunk).
-  sampler = lambda params, prompts, lens, key: run.programs.sample(params, prompts, lens,
-                                                                   key, 0)[0]
-  _, _, shown = evaluate._responses(run, sampler, run.state.params, [example] * 8, batch=4)
+  def respond(params, prompts, lens, key, examples):
+    out = run.programs.sample(params, prompts, lens, key, 0)[0]
+    return out.tokens_BxGxT, out.mask_BxGxT
+  _, _, shown = evaluate._responses(run, respond, run.state.params, [example] * 8, batch=4)
   texts = [texts for _, texts in shown]
   assert texts[:4] != texts[4:]
 

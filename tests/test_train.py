@@ -266,9 +266,8 @@ def test_cold_start_stops_at_the_target_accuracy(run, monkeypatch):
   from gspo_jax import coldstart
   lines = []
   cfg = tiny_cfg(sft=C.SFTConfig(steps=10, batch_size=8, target_accuracy=0.4, check_every=2))
-  monkeypatch.setattr(coldstart.evaluate, "evaluate",
-                      lambda *a, **k: {"accuracy": 0.3 if len(lines) < 2 else 0.5})
-  params = coldstart.cold_start(run.reconfigure(cfg), log=lines.append)
+  probe = lambda params, examples: 0.3 if len(lines) < 2 else 0.5
+  params = coldstart.cold_start(run.reconfigure(cfg), probe_accuracy=probe, log=lines.append)
   # Checks at steps 2 (0.3), 4 (0.3), 6 (0.5 >= 0.4: stop); never 8 or 10.
   assert [l.split(":")[0] for l in lines[:3]] == ["cold start step    2/10",
                                                   "cold start step    4/10",

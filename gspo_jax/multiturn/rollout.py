@@ -4,8 +4,8 @@ turns and the environment's observations) -> rewards, and the update batch.
 Legend: B prompts per iteration, G episodes per prompt, P prompt tokens, T episode token
 budget, K = multiturn.max_turns.
 
-The multi-turn form of `gspo_jax.rollout.rollout_step` (`train.iterate` picks it when
-`multiturn.env` is set). The episodes' model tokens are the batch's mask, so `prepare`
+The multi-turn kind of rollout (`Episodes`, `Run.rollout` when `multiturn.env` is set):
+the operations of `gspo_jax.rollout.Groups` for whole episodes. The episodes' model tokens are the batch's mask, so `prepare`
 (pi_old, pi_ref by teacher forcing over the whole episode) and the losses are the
 single-turn ones. The rewards are the environment's: per episode (`multiturn.credit=
 "episode"`: the sum of the turn rewards, one advantage per episode) or per turn ("turn":
@@ -15,12 +15,15 @@ rewards_BxGxK, which the update turns into per-token advantages with the batch's
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gspo_jax import programs as P
 from gspo_jax import rng, sampling, sharding, text
 from gspo_jax.multiturn import envs
 from gspo_jax.multiturn.episodes import EpisodeResult, run_episodes
@@ -60,7 +63,7 @@ def episode_rollout_step(run, params, key, step: int, ref_params=None, log=print
   prompts_l, lens_l = run.encode_prompts([e.prompt for e in examples])
   prompts, lens = sharding.feed(prompts_l, mesh, B), sharding.feed(lens_l, mesh, B)
   t0 = time.perf_counter()
-  got = sample_episodes(run, run.programs.episode, params, prompts, lens,
+  got = sample_episodes(run, run.rollout.programs, params, prompts, lens,
                         rng.device_key(key, step, "sample"), examples)
   ep = got.episodes
   batch = run.programs.prepare(params, ref_params, ep.as_rollout(), prompts, lens)
@@ -82,3 +85,41 @@ def episode_rollout_step(run, params, key, step: int, ref_params=None, log=print
                   "obs_tokens": jnp.sum(ep.obs_mask_BxGxT) / n}
   return RolloutResult(batch, sharding.feed(np.asarray(rewards, np.float32), mesh, B), stats,
                        device_stats)
+
+
+@dataclasses.dataclass(frozen=True)
+class Episodes:
+  """Multi-turn episodes with the run's environment: the rollout's and the greedy
+  evaluation's episode programs (`programs.episode_programs`), built once per run."""
+  programs: Any                 # the rollout's EpisodePrograms
+  greedy: Any                   # the greedy evaluation's
+  make: Callable[[Any], Any]    # EpisodeConfig -> EpisodePrograms (pass@k's n episodes)
+
+  @classmethod
+  def build(cls, graphdef, cfg, layout, tok) -> "Episodes":
+    make = lambda ecfg: P.episode_programs(graphdef, ecfg, layout=layout)
+    rollout, greedy = P.episode_configs(tok, cfg)
+    return cls(make(rollout), make(greedy), make)
+
+  def collect(self, run, params, key, step: int, ref_params=None, log=print) -> RolloutResult:
+    return episode_rollout_step(run, params, key, step, ref_params, log=log)
+
+  def responder(self, run, n: int | None = None) -> Callable:
+    """Whole episodes; `shown_BxGxT` covers the model's turns and the observations (the task
+    scores each episode's text)."""
+    if n is None:
+      programs = self.greedy
+    else:
+      ecfg = self.programs.cfg
+      programs = self.make(dataclasses.replace(
+          ecfg, sampler=dataclasses.replace(ecfg.sampler, group_size=n)))
+
+    def respond(params, prompts_BxP, lens_B, key, examples):
+      ep = sample_episodes(run, programs, params, prompts_BxP, lens_B, key, examples).episodes
+      return ep.tokens_BxGxT, ep.mask_BxGxT + ep.obs_mask_BxGxT
+    return respond
+
+  def demonstrations(self, run, examples):
+    """Observations in a demonstration condition the model's turns and are not learned."""
+    return text.encode_segments(run.tok, [run.task.demonstration_segments(e) for e in examples],
+                                run.cfg.rollout.max_new_tokens)
