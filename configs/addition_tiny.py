@@ -8,14 +8,14 @@ range (3e-4, 4e-4), 4 minibatches per rollout batch, group-normalised rewards, n
 
 import dataclasses
 
-from gspo_jax.config import OptimConfig, RolloutConfig, SFTConfig, TrainConfig
+from gspo_jax.config import (LossConfig, OptimConfig, RolloutConfig, SFTConfig, TaskConfig,
+                             TrainConfig)
 from gspo_jax.models.config import tiny
 
 
 def get_config(arg: str | None = None) -> TrainConfig:
   cfg = TrainConfig(
-      task="addition",
-      task_digits=2,
+      task=TaskConfig(name="addition", digits=2),
       model=tiny(vocab_size=32, hidden=128, mlp_dim=256, num_heads=4, num_kv_heads=2,
                  head_dim=32),
       # 64 prompts x 8 responses per iteration: smaller rollout batches (32 x 8) left the
@@ -27,8 +27,8 @@ def get_config(arg: str | None = None) -> TrainConfig:
       # room for RL. The schedule is set for 400 steps; the target usually stops it earlier.
       sft=SFTConfig(steps=400, batch_size=128, learning_rate=3e-3, target_accuracy=0.4,
                     check_every=20),
-      loss="gspo",
       # eps_low / eps_high unset: the loss's own clip range (GSPO 3e-4 / 4e-4, GRPO 0.2 / 0.27).
+      loss=LossConfig(name="gspo"),
       num_minibatches=4,
       iterations=300,
       eval_every=50,

@@ -8,15 +8,15 @@ iterations (the paper's clip range, no KL); about 15 minutes on a loaded 2-core 
 
 import dataclasses
 
-from gspo_jax.config import OptimConfig, RolloutConfig, SFTConfig, TrainConfig
+from gspo_jax.config import (LossConfig, OptimConfig, RolloutConfig, SFTConfig, TaskConfig,
+                             TrainConfig)
 from gspo_jax.models.config import tiny
 
 
 def get_config(arg: str | None = None) -> TrainConfig:
   cfg = TrainConfig(
-      task="chain",
-      task_digits=1,
-      task_steps=11,              # solutions of 11 * 10 + 3 = 113 characters, 112 tokens
+      # 11 steps: solutions of 11 * 10 + 3 = 113 characters, 112 tokens
+      task=TaskConfig(name="chain", digits=1, steps=11),
       model=tiny(vocab_size=48, hidden=128, mlp_dim=256, num_heads=4, num_kv_heads=2,
                  head_dim=32),
       # 112 solution tokens + EOS, and room for a few more; prompts 36 tokens + BOS.
@@ -27,7 +27,7 @@ def get_config(arg: str | None = None) -> TrainConfig:
       optim=OptimConfig(learning_rate=1e-4, warmup_steps=5, grad_clip=1.0),
       sft=SFTConfig(steps=600, batch_size=64, learning_rate=3e-3, target_accuracy=0.3,
                     check_every=25, probe_size=128),
-      loss="gspo",
+      loss=LossConfig(name="gspo"),
       num_minibatches=4,
       iterations=40,
       eval_every=20,

@@ -10,13 +10,13 @@ one-digit addition ("3+5=" -> "8"), no cold start.
 
 import dataclasses
 
-from gspo_jax.config import OptimConfig, RolloutConfig, SFTConfig, TrainConfig
+from gspo_jax.config import (LossConfig, OptimConfig, RolloutConfig, SFTConfig, TaskConfig,
+                             TrainConfig)
 
 
 def get_config(arg: str | None = None) -> TrainConfig:
   cfg = TrainConfig(
-      task="addition",
-      task_digits=1,
+      task=TaskConfig(name="addition", digits=1),
       pretrained="models/smollm2-135m-instruct",
       # Three new tokens: SmolLM2 splits digits, so "8" or "12" fits with room for EOS or
       # a newline (answers are compared after strip()).
@@ -24,8 +24,8 @@ def get_config(arg: str | None = None) -> TrainConfig:
                             max_prompt_len=8, temperature=1.0),
       optim=OptimConfig(learning_rate=1e-5, grad_clip=1.0),
       sft=SFTConfig(steps=0),
-      loss="gspo",
       # eps_low / eps_high unset: the loss's own clip range (GSPO 3e-4 / 4e-4, GRPO 0.2 / 0.27).
+      loss=LossConfig(name="gspo"),
       num_minibatches=2,
       iterations=20,
       eval_every=10,

@@ -5,15 +5,16 @@ reasoning-gym's own verifier, no cold start. Needs the optional package reasonin
     pip install reasoning-gym==0.1.25
     python -m gspo_jax.models.gguf_convert --smollm2 --out models/smollm2-135m-instruct
     python -m gspo_jax.train --config configs/smollm2_gym.py
-    python -m gspo_jax.train --config configs/smollm2_gym.py --set gym.name=countdown \\
-        --set gym.kwargs='{"min_numbers": 3, "max_numbers": 4}' --set rollout.max_prompt_len=256
+    python -m gspo_jax.train --config configs/smollm2_gym.py --set task.gym.name=countdown \\
+        --set task.gym.kwargs='{"min_numbers": 3, "max_numbers": 4}' --set rollout.max_prompt_len=256
     python -m gspo_jax.train --config configs/smollm2_gym.py:smoke --run-dir runs/smoke
 """
 
 import dataclasses
 import json
 
-from gspo_jax.config import OptimConfig, RolloutConfig, SFTConfig, TrainConfig
+from gspo_jax.config import (LossConfig, OptimConfig, RolloutConfig, SFTConfig, TaskConfig,
+                             TrainConfig)
 from gspo_jax.tasks import DataConfig
 from gspo_jax.tasks.gym import GymConfig
 
@@ -26,14 +27,15 @@ DIRECT = ("Answer the question directly. Provide your answer between <answer> an
 
 def get_config(arg: str | None = None) -> TrainConfig:
   cfg = TrainConfig(
-      task="gym",
-      gym=GymConfig(name="chain_sum", size=2000, seed=0, heldout_size=128,
-                    kwargs=json.dumps({"min_terms": 2, "max_terms": 3,
-                                       "min_digits": 1, "max_digits": 2})),
-      data=DataConfig(system_prompt=DIRECT),
-      # The verifier (reward/chain_sum) comes first and decides correctness; a small bonus
-      # for exactly one <answer> tag, without which the verifier sees no answer at all.
-      reward=("format_reward*0.1",),
+      task=TaskConfig(
+          name="gym",
+          gym=GymConfig(name="chain_sum", size=2000, seed=0, heldout_size=128,
+                        kwargs=json.dumps({"min_terms": 2, "max_terms": 3,
+                                           "min_digits": 1, "max_digits": 2})),
+          data=DataConfig(system_prompt=DIRECT),
+          # The verifier (reward/chain_sum) comes first and decides correctness; a small
+          # bonus for exactly one <answer> tag, without which the verifier sees no answer.
+          reward=("format_reward*0.1",)),
       pretrained="models/smollm2-135m-instruct",
       # ChatML with the system turn above and the question: 128 prompt tokens with margin
       # (setup refuses, naming the problem, any prompt that does not fit, before the
@@ -42,7 +44,7 @@ def get_config(arg: str | None = None) -> TrainConfig:
                             max_prompt_len=128, temperature=1.0),
       optim=OptimConfig(learning_rate=2e-5, grad_clip=1.0),
       sft=SFTConfig(steps=0),
-      loss="gspo",
+      loss=LossConfig(name="gspo"),
       num_minibatches=2,
       old_logp="sampler",  # float32 model: the sampler's log-probs are pi_old
       iterations=20,

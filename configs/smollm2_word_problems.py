@@ -11,7 +11,8 @@ template (ChatML) with a short system prompt, no cold start.
 
 import dataclasses
 
-from gspo_jax.config import OptimConfig, RolloutConfig, SFTConfig, TrainConfig
+from gspo_jax.config import (LossConfig, OptimConfig, RolloutConfig, SFTConfig, TaskConfig,
+                             TrainConfig)
 from gspo_jax.tasks import DataConfig
 
 REWARD = "experiments/word_problems/reward.py"
@@ -19,13 +20,14 @@ REWARD = "experiments/word_problems/reward.py"
 
 def get_config(arg: str | None = None) -> TrainConfig:
   cfg = TrainConfig(
-      task="dataset",
-      data=DataConfig(train_file="data/word_problems/train.jsonl",
-                      heldout_file="data/word_problems/held_out.jsonl",
-                      system_prompt="Reply with only the final number."),
-      # Correctness first (it decides accuracy and pass@k), then a small bonus for
-      # answering with the bare number, as the prompt asks.
-      reward=(f"{REWARD}:correct", f"{REWARD}:brief*0.1"),
+      task=TaskConfig(
+          name="dataset",
+          data=DataConfig(train_file="data/word_problems/train.jsonl",
+                          heldout_file="data/word_problems/held_out.jsonl",
+                          system_prompt="Reply with only the final number."),
+          # Correctness first (it decides accuracy and pass@k), then a small bonus for
+          # answering with the bare number, as the prompt asks.
+          reward=(f"{REWARD}:correct", f"{REWARD}:brief*0.1")),
       pretrained="models/smollm2-135m-instruct",
       # ChatML with a short system turn: at most 57 prompt tokens. The model restates the
       # problem before answering, so it needs 16 new tokens to reach the number (with 8, the
@@ -34,8 +36,8 @@ def get_config(arg: str | None = None) -> TrainConfig:
                             max_prompt_len=64, temperature=1.0),
       optim=OptimConfig(learning_rate=2e-5, grad_clip=1.0),
       sft=SFTConfig(steps=0),
-      loss="gspo",
       # eps_low / eps_high unset: the loss's own clip range (GSPO 3e-4 / 4e-4, GRPO 0.2 / 0.27).
+      loss=LossConfig(name="gspo"),
       num_minibatches=2,
       # The sampler's log-probs are pi_old (float32 model: equal to a recompute, see
       # tests/test_train.py), saving one forward pass over the 64 rows per iteration.

@@ -12,14 +12,14 @@ credit (experiments/multiturn_tools.py compares GSPO on the episode reward and G
 
 import dataclasses
 
-from gspo_jax.config import MultiTurnConfig, OptimConfig, RolloutConfig, SFTConfig, TrainConfig
+from gspo_jax.config import (LossConfig, MultiTurnConfig, OptimConfig, RolloutConfig, SFTConfig,
+                             TaskConfig, TrainConfig)
 from gspo_jax.models.config import tiny
 
 
 def get_config(arg: str | None = None) -> TrainConfig:
   cfg = TrainConfig(
-      task="tool_multiplication",
-      task_digits=3,
+      task=TaskConfig(name="tool_multiplication", digits=3),
       model=tiny(vocab_size=32, hidden=64, mlp_dim=128, num_heads=4, num_kv_heads=2,
                  head_dim=16),
       # max_new_tokens is the episode budget: "[123*456]" (9), "56088;" (6), "56088" + EOS (6).
@@ -31,7 +31,7 @@ def get_config(arg: str | None = None) -> TrainConfig:
       # Deliberately short: a partly learned format leaves room for RL.
       sft=SFTConfig(steps=200, batch_size=64, learning_rate=3e-3, target_accuracy=0.3,
                     check_every=10, probe_size=128),
-      loss="gspo_token",
+      loss=LossConfig(name="gspo_token"),
       num_minibatches=4,
       iterations=120,
       eval_every=20,

@@ -18,7 +18,7 @@ import numpy as np
 
 from experiments import _plots, _results
 from gspo_jax import configlib, train
-from gspo_jax.config import TrainConfig
+from gspo_jax.config import LossConfig, TrainConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # What one iteration's metrics row says it took (the loop writes it for every iteration).
@@ -47,7 +47,7 @@ def base_config(task: str, quick: bool) -> TrainConfig:
         sft=dataclasses.replace(cfg.sft, steps=5, target_accuracy=0.0, batch_size=16),
         iterations=6, eval_every=3, eval_size=16)
   return dataclasses.replace(
-      cfg, task_steps=5,
+      cfg, task=dataclasses.replace(cfg.task, steps=5),
       rollout=dataclasses.replace(cfg.rollout, prompts_per_iter=8, group_size=4,
                                   max_new_tokens=60, max_prompt_len=24),
       sft=dataclasses.replace(cfg.sft, steps=5, batch_size=16, target_accuracy=0.0),
@@ -62,7 +62,7 @@ def loss_config(loss: str, seed: int, quick: bool, iterations: int | None,
   cfg = base_config(task, quick)
   if iterations:
     cfg = dataclasses.replace(cfg, iterations=iterations)
-  return dataclasses.replace(cfg, loss=loss, eps_low=None, eps_high=None, seed=seed)
+  return dataclasses.replace(cfg, loss=LossConfig(name=loss), seed=seed)
 
 
 def iteration_flops(cfg: dict, row: dict) -> float:
@@ -73,7 +73,7 @@ def iteration_flops(cfg: dict, row: dict) -> float:
               `decode_steps` steps for all B G rows: the loop runs until the longest ends)
     pi_old    2 W R S + 2 D V R T       (teacher forcing over R = B G rows, S = P + T)
     update    3 x pi_old                (every minibatch, forward + backward)
-    pi_ref    1 x pi_old when kl_coef > 0
+    pi_ref    1 x pi_old when loss.kl_coef > 0
 
   W = active matmul weights of the layers (attention, SwiGLU or the top-k experts and the
   router); attention's score and value products, a few percent at these lengths, are left
@@ -91,7 +91,7 @@ def iteration_flops(cfg: dict, row: dict) -> float:
   steps = row.get("decode_steps", T)
   sample = 2 * W * (B * P + B * G * steps) + 2 * D * V * B * G * steps
   teacher = 2 * W * B * G * (P + T) + 2 * D * V * B * G * T
-  return float(sample + teacher * (4 + (cfg.get("kl_coef", 0) > 0)))
+  return float(sample + teacher * (4 + (cfg["loss"].get("kl_coef", 0) > 0)))
 # Metrics logged only at evaluations whose step-0 value is in the run's summary.json.
 STARTS = {"heldout_accuracy": "heldout_accuracy_start"}
 COLOURS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")
@@ -146,7 +146,8 @@ def load_runs(out: str) -> dict[str, list[dict]]:
     variant, seed = name.rsplit("_seed", 1)
     rows = [json.loads(l) for l in open(os.path.join(path, "metrics.jsonl"))]
     summary = json.load(open(os.path.join(path, "summary.json")))
-    cfg = json.load(open(os.path.join(path, "config.json")))
+    # Runs saved before the config grouped its fields still load (TrainConfig.migrate).
+    cfg = TrainConfig.migrate(json.load(open(os.path.join(path, "config.json"))))
     for row in rows:
       row["flops"] = iteration_flops(cfg, row)
     runs.setdefault(variant, []).append({"seed": int(seed), "rows": rows, "summary": summary})

@@ -26,7 +26,7 @@ import numpy as np
 
 from experiments import _results
 from gspo_jax import coldstart, configlib, evaluate, programs, sharding, step
-from gspo_jax.config import TrainConfig
+from gspo_jax.config import LossConfig, TrainConfig
 from gspo_jax.models.config import tiny_moe
 from gspo_jax.rollout import rollout_step
 from gspo_jax.run import setup
@@ -47,7 +47,8 @@ def config(quick: bool, lr: float) -> TrainConfig:
                               batch_size=16 if quick else cfg.sft.batch_size),
       rollout=dataclasses.replace(cfg.rollout, prompts_per_iter=8 if quick else 64),
       optim=dataclasses.replace(cfg.optim, learning_rate=lr, warmup_steps=0),
-      eps_low=None, eps_high=None, mesh=sharding.MeshConfig(num_devices=1))
+      loss=dataclasses.replace(cfg.loss, eps_low=None, eps_high=None),
+      mesh=sharding.MeshConfig(num_devices=1))
 
 
 def expert_sets(graphdef, cfg: TrainConfig):
@@ -79,7 +80,7 @@ def run(quick: bool, lrs, out: str) -> dict:
     sets = expert_sets(base.graphdef, base.cfg)
     before = sets(base.state.params, r.batch)
     for loss in LOSSES:
-      run = base.reconfigure(dataclasses.replace(base.cfg, loss=loss))
+      run = base.reconfigure(dataclasses.replace(base.cfg, loss=LossConfig(name=loss)))
       # The update donates its state: each loss starts from its own copy of the same one.
       new, metrics = run.programs.update(jax.tree.map(jnp.copy, base.state), r.batch,
                                          r.rewards_BxG)

@@ -22,7 +22,7 @@ import sys
 
 from experiments import _runs
 from gspo_jax import configlib
-from gspo_jax.config import SFTConfig
+from gspo_jax.config import LossConfig, SFTConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -38,7 +38,7 @@ def config(variant: str, seed: int, args):
     cfg = dataclasses.replace(cfg, sft=SFTConfig(steps=4, batch_size=8, target_accuracy=0.0),
                               iterations=3, eval_every=3)
   loss, credit = VARIANTS[variant]
-  return dataclasses.replace(cfg, seed=seed, loss=loss,
+  return dataclasses.replace(cfg, seed=seed, loss=LossConfig(name=loss),
                              multiturn=dataclasses.replace(cfg.multiturn, credit=credit),
                              iterations=args.iterations or cfg.iterations)
 

@@ -72,7 +72,7 @@ from flax import nnx
 from experiments import _bench, _results
 from gspo_jax import optim, programs, sampling, step
 from gspo_jax.advantages import group_advantages
-from gspo_jax.config import RolloutConfig, TrainConfig
+from gspo_jax.config import LossConfig, RolloutConfig, TrainConfig
 from gspo_jax.models import config as our_config
 from gspo_jax.models import transformer
 
@@ -331,7 +331,8 @@ def update_batch(ours, args) -> tuple[step.Batch, jax.Array]:
 def our_train_config(model_cfg, args, share_prompts: bool = False) -> TrainConfig:
   """GSPO at the clip range handed to tunix as well (the paper's), one minibatch, no KL."""
   return TrainConfig(
-      model=model_cfg, loss="gspo", eps_low=3e-4, eps_high=4e-4, num_minibatches=1, kl_coef=0.0,
+      model=model_cfg, loss=LossConfig(name="gspo", eps_low=3e-4, eps_high=4e-4, kl_coef=0.0),
+      num_minibatches=1,
       share_prompts=share_prompts,
       rollout=RolloutConfig(prompts_per_iter=args.prompts, group_size=args.group,
                             max_new_tokens=args.new_tokens, max_prompt_len=args.prompt_len,

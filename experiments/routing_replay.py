@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 
 from experiments import _runs
-from gspo_jax.config import TrainConfig
+from gspo_jax.config import LossConfig, TrainConfig
 from gspo_jax.models.config import tiny_moe
 
 VARIANTS = {"grpo_free": ("grpo", "track"), "grpo_replay": ("grpo", "replay"),
@@ -58,7 +58,7 @@ def config(variant: str, seed: int, quick: bool, iterations: int | None, lr: flo
                           **width),
       optim=dataclasses.replace(cfg.optim, learning_rate=lr or (
           3e-4 if task == "addition" else cfg.optim.learning_rate)),
-      loss=loss, eps_low=None, eps_high=None, routing=routing, seed=seed)
+      loss=LossConfig(name=loss), routing=routing, seed=seed)
   if variant.endswith("_bf16"):
     cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout,
                                                                sampler_dtype="bfloat16"))

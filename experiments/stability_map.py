@@ -5,7 +5,7 @@ The paper's stability claim is about off-policy updates of long responses: GRPO'
 per-token ratios get noisier with length and with each further minibatch drawn from one
 rollout, GSPO's length-normalised sequence ratio does not. The grid:
 
-  length       short / medium / long = task_steps 3 / 6 / 11: worked solutions of 33 / 63
+  length       short / medium / long = task.steps 3 / 6 / 11: worked solutions of 33 / 63
                / 113 tokens (max_new_tokens 40 / 72 / 120);
   minibatches  1, 4, 16 per rollout (one on-policy update, then 3 or 15 off-policy ones);
   lr           1e-4 (the long config's) and 3e-4;
@@ -36,9 +36,9 @@ import os
 import numpy as np
 
 from experiments import _plots, _results, _runs
-from gspo_jax.config import TrainConfig
+from gspo_jax.config import LossConfig, TrainConfig
 
-LENGTHS = {"short": (3, 40), "medium": (6, 72), "long": (11, 120)}   # task_steps, max_new_tokens
+LENGTHS = {"short": (3, 40), "medium": (6, 72), "long": (11, 120)}   # task.steps, max_new_tokens
 MINIBATCHES = (1, 4, 16)
 LRS = (1e-4, 3e-4)
 LOSSES = ("gspo", "grpo")
@@ -59,9 +59,10 @@ def config(length: str, loss: str, minibatches: int, lr: float, seed: int, quick
   else:
     cfg = dataclasses.replace(cfg, iterations=20, eval_every=5, eval_size=128)
   cfg = dataclasses.replace(
-      cfg, task_steps=steps, rollout=dataclasses.replace(cfg.rollout, max_new_tokens=max_new),
+      cfg, task=dataclasses.replace(cfg.task, steps=steps),
+      rollout=dataclasses.replace(cfg.rollout, max_new_tokens=max_new),
       num_minibatches=minibatches, optim=dataclasses.replace(cfg.optim, learning_rate=lr),
-      loss=loss, eps_low=None, eps_high=None, seed=seed)
+      loss=LossConfig(name=loss), seed=seed)
   return dataclasses.replace(cfg, iterations=iterations) if iterations else cfg
 
 

@@ -5,9 +5,17 @@ A config file is a Python file whose `get_config()` returns a `TrainConfig` (con
 names the field the user sets (`rollout.temperature`, not the sampler's own name), so a
 bad setting stops the run before any work.
 
+Config groups by concern: `task.*` (the problems and their rewards, `tasks.config`),
+`loss.*` (the objective and the KL term), `rollout.*`, `optim.*`, `sft.*`, `model.*`,
+`mesh.*` and one group per optional feature (`rollout_correction.*`, `multiturn.*`). A
+group checks itself; `TrainConfig` checks what crosses groups. `--set loss=grpo` and
+`--set task=chain` are aliases of `loss.name` / `task.name`; the flat names of earlier
+versions (`eps_low`, `task_digits`, `data.train_file`, ...) are errors that name the new
+field, and a saved config.json that has them loads (`TrainConfig.migrate`).
+
 Loss hyperparameters left unset (None) take the chosen loss's own defaults from
 `losses.LOSS_DEFAULTS`: `--set loss=grpo` alone clips GRPO at 0.2 / 0.27, not at GSPO's
-3e-4 / 4e-4. `TrainConfig.loss_kwargs()` is what the train step passes to the loss.
+3e-4 / 4e-4. `LossConfig.kwargs()` is what the train step passes to the loss.
 """
 
 from __future__ import annotations
@@ -18,9 +26,7 @@ from typing import Any, Literal
 from gspo_jax import _checks, losses, sharding
 from gspo_jax.optim import OptimConfig
 from gspo_jax.rollout_correction import RolloutCorrectionConfig
-from gspo_jax.tasks.chain import DEFAULT_STEPS, Chain
-from gspo_jax.tasks.dataset import DataConfig
-from gspo_jax.tasks.gym import GymConfig, check_settings as check_gym
+from gspo_jax.tasks.config import TaskConfig  # the task group (re-exported here)
 from gspo_jax.models.config import ModelConfig, tiny
 
 OLD_LOGP_SOURCES = ("recompute", "sampler")
@@ -147,27 +153,11 @@ class SFTConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainConfig:
-  task: str = "addition"            # a built-in (gspo_jax.tasks.TASKS), "dataset" or "gym"
-  task_digits: int = 2
-  # task="chain" only: operations per problem, the difficulty knob of its solution length
-  # (about 10 tokens per step at task_digits=1: 5 -> 52, 26 -> 262); None = 12.
-  task_steps: int | None = None
-  # task="dataset": prompts from data.train_file, scored by `reward`: specs
-  # "module:fn", "path/file.py:fn" or a built-in name, each optionally "*weight"
-  # (see gspo_jax/rewards.py); the first one decides correctness.
-  data: DataConfig = DataConfig()
-  reward: tuple[str, ...] = ()
-  # task="gym": a reasoning-gym dataset's problems, scored by its own verifier (then by
-  # `reward`, if set); data.* says how prompts are shown (gspo_jax/tasks/gym.py).
-  gym: GymConfig = GymConfig()
-
-  model: ModelConfig = dataclasses.field(default_factory=lambda: tiny(vocab_size=32))
-  rollout: RolloutConfig = RolloutConfig()
-  optim: OptimConfig = OptimConfig()
-  sft: SFTConfig = SFTConfig()
+class LossConfig:
+  """The objective: a loss of `losses.LOSSES` by name with its hyperparameters, and the KL
+  term to a reference policy (the cold-start policy)."""
   # a key of losses.LOSSES
-  loss: Literal["gspo", "gspo_token", "grpo", "luspo", "sapo", "sapo_seq", "cispo", "gmpo"] = "gspo"
+  name: Literal["gspo", "gspo_token", "grpo", "luspo", "sapo", "sapo_seq", "cispo", "gmpo"] = "gspo"
   # None = the loss's own default (losses.LOSS_DEFAULTS): GSPO 3e-4 / 4e-4, GRPO 0.2 / 0.27.
   # Each applies only to the losses whose LOSS_DEFAULTS entry has it (an error otherwise).
   eps_low: float | None = None
@@ -177,14 +167,70 @@ class TrainConfig:
   # SAPO's gate temperatures for positive / other advantages; None = 1.0 / 1.05.
   tau_pos: float | None = None
   tau_neg: float | None = None
+  kl_coef: float = 0.0              # loss + kl_coef * KL(pi_theta || pi_ref); 0 = no reference
+  kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+
+  def __post_init__(self):
+    _checks.check_choice("config", "loss.name", self.name, tuple(losses.LOSSES))
+    _checks.check_choice("config", "loss.kl_estimator", self.kl_estimator,
+                         losses.KL_ESTIMATORS)
+    if self.aggregation is not None:
+      _checks.check_choice("config", "loss.aggregation", self.aggregation, losses.AGGREGATIONS)
+    for name, value in self._hyperparameters().items():
+      if value is not None and name not in losses.LOSS_DEFAULTS[self.name]:
+        # Refused, not ignored: e.g. token-mean aggregation would length-weight GSPO.
+        takers = "/".join(repr(k) for k, d in losses.LOSS_DEFAULTS.items() if name in d)
+        raise ValueError(f"config: loss.{name} applies to loss.name={takers}; loss.name is "
+                         f"{self.name!r} (its hyperparameters: "
+                         f"{', '.join(losses.LOSS_DEFAULTS[self.name])})")
+    for name in ("eps_low", "eps_high", "tau_pos", "tau_neg"):
+      value = getattr(self, name)
+      if value is not None and not value > 0:
+        raise ValueError(f"loss.{name} must be > 0 (or unset for the loss's default); "
+                         f"got {value}")
+    if self.kl_coef < 0:
+      raise ValueError(f"loss.kl_coef must be >= 0; got {self.kl_coef}")
+
+  def kwargs(self) -> dict[str, Any]:
+    """Keyword arguments of `losses.LOSSES[self.name]`: the loss's own defaults
+    (`losses.LOSS_DEFAULTS`) with what this config sets."""
+    kwargs = dict(losses.LOSS_DEFAULTS[self.name])
+    kwargs.update({k: v for k, v in self._hyperparameters().items() if v is not None})
+    return kwargs
+
+  def _hyperparameters(self) -> dict[str, Any]:
+    """The loss hyperparameters a config may set (None = the loss's default)."""
+    return {"eps_low": self.eps_low, "eps_high": self.eps_high,
+            "aggregation": self.aggregation, "tau_pos": self.tau_pos, "tau_neg": self.tau_neg}
+
+  @property
+  def kl_aggregation(self) -> str:
+    """The KL term is reduced like the policy loss."""
+    return self.kwargs().get("aggregation", "seq-mean-token-mean")
+
+
+# Fields of earlier versions, flat at the top, and where they live now (a saved config.json
+# that has them is moved over once, `TrainConfig.migrate`; `--set` names the new field).
+MOVED = {"task_digits": "task.digits", "task_steps": "task.steps", "data": "task.data",
+         "reward": "task.reward", "gym": "task.gym",
+         **{k: f"loss.{k}" for k in ("eps_low", "eps_high", "aggregation", "tau_pos",
+                                     "tau_neg", "kl_coef", "kl_estimator")}}
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  task: TaskConfig = TaskConfig()
+  model: ModelConfig = dataclasses.field(default_factory=lambda: tiny(vocab_size=32))
+  rollout: RolloutConfig = RolloutConfig()
+  optim: OptimConfig = OptimConfig()
+  sft: SFTConfig = SFTConfig()
+  loss: LossConfig = LossConfig()
 
   num_minibatches: int = 4
   old_logp: Literal["recompute", "sampler"] = "recompute"  # "sampler": its log-probs are pi_old
   rollout_correction: RolloutCorrectionConfig = RolloutCorrectionConfig()
   multiturn: MultiTurnConfig = MultiTurnConfig()
   routing: Literal["free", "track", "replay", "rollout_replay"] = "free"  # MoE: ROUTING_MODES
-  kl_coef: float = 0.0
-  kl_estimator: Literal["k1", "k2", "k3"] = "k3"
   # Teacher forcing (pi_theta, pi_old, pi_ref) computes each prompt once for its G responses
   # (`teacher_forcing.response_logprobs`); minibatches then hold whole groups.
   share_prompts: bool = False
@@ -210,24 +256,18 @@ class TrainConfig:
   pretrained: str = ""
   pretrained_dtype: str = ""        # parameter dtype of the loaded model ("" = as stored)
 
+  # `--set NAME=VALUE` for a group's name field (configlib.apply_overrides).
+  ALIASES = {"loss": "loss.name", "task": "task.name"}
+  MOVED = MOVED
+
   def __post_init__(self):
-    _checks.check_choice("config", "loss", self.loss, tuple(losses.LOSSES))
     _checks.check_choice("config", "old_logp", self.old_logp, OLD_LOGP_SOURCES)
-    _checks.check_choice("config", "kl_estimator", self.kl_estimator, losses.KL_ESTIMATORS)
     _checks.check_choice("config", "routing", self.routing, ROUTING_MODES)
     check_truncation(self)
     if self.rollout_correction.weights and self.old_logp == "sampler":
       raise ValueError(f"rollout_correction.level={self.rollout_correction.level!r} needs "
                        "old_logp='recompute': with old_logp='sampler' pi_old is the sampler, "
                        "so every weight pi_old / pi_sampler would be exactly 1")
-    if self.aggregation is not None:
-      _checks.check_choice("config", "aggregation", self.aggregation, losses.AGGREGATIONS)
-    for name, value in self._loss_fields().items():
-      if value is not None and name not in losses.LOSS_DEFAULTS[self.loss]:
-        # Refused, not ignored: e.g. token-mean aggregation would length-weight GSPO.
-        takers = "/".join(repr(k) for k, d in losses.LOSS_DEFAULTS.items() if name in d)
-        raise ValueError(f"config: {name} applies to loss={takers}; loss is {self.loss!r} "
-                         f"(its hyperparameters: {', '.join(losses.LOSS_DEFAULTS[self.loss])})")
     if not self.pretrained:
       check_routing(self)
       check_positions(self.model, self.rollout)
@@ -245,43 +285,25 @@ class TrainConfig:
       raise ValueError(f"share_prompts=True keeps groups whole, so num_minibatches "
                        f"({self.num_minibatches}) must divide rollout.prompts_per_iter "
                        f"({self.rollout.prompts_per_iter})")
-    for name in ("eps_low", "eps_high", "tau_pos", "tau_neg"):
-      value = getattr(self, name)
-      if value is not None and not value > 0:
-        raise ValueError(f"{name} must be > 0 (or unset for the loss's default); got {value}")
-    if self.kl_coef < 0:
-      raise ValueError(f"kl_coef must be >= 0; got {self.kl_coef}")
-    if self.task == "chain":
-      steps = DEFAULT_STEPS if self.task_steps is None else self.task_steps
-      Chain.check_settings(self.task_digits, steps, self.rollout.max_new_tokens,
-                           self.rollout.max_prompt_len)
-    elif self.task_steps is not None:
-      raise ValueError(f"task_steps applies to task='chain'; task is {self.task!r}")
-    if self.task == "dataset" and not (self.data.train_file and self.reward):
-      raise ValueError("task='dataset' needs data.train_file (JSONL) and reward "
-                       "(e.g. reward=my_module:my_reward)")
-    if self.task not in ("dataset", "gym") and (self.data.train_file or self.reward):
-      raise ValueError(f"data.train_file and reward apply to task='dataset' (reward also to "
-                       f"task='gym'); task is {self.task!r}")
-    check_gym(self.task, self.gym, self.data)
+    self.task.check_widths(self.rollout.max_new_tokens, self.rollout.max_prompt_len)
     check_multiturn(self)
 
-  def loss_kwargs(self) -> dict[str, Any]:
-    """Keyword arguments of `losses.LOSSES[self.loss]`: the loss's own defaults
-    (`losses.LOSS_DEFAULTS`) with what this config sets."""
-    kwargs = dict(losses.LOSS_DEFAULTS[self.loss])
-    kwargs.update({k: v for k, v in self._loss_fields().items() if v is not None})
-    return kwargs
-
-  def _loss_fields(self) -> dict[str, Any]:
-    """The loss hyperparameters a config may set (None = the loss's default)."""
-    return {"eps_low": self.eps_low, "eps_high": self.eps_high,
-            "aggregation": self.aggregation, "tau_pos": self.tau_pos, "tau_neg": self.tau_neg}
-
-  @property
-  def kl_aggregation(self) -> str:
-    """The KL term is reduced like the policy loss."""
-    return self.loss_kwargs().get("aggregation", "seq-mean-token-mean")
+  @classmethod
+  def migrate(cls, d: dict) -> dict:
+    """A saved config dict of an earlier version with its flat task and loss fields moved
+    into their groups (`MOVED`; `task` and `loss` held the names); any other dict as is."""
+    d = dict(d)
+    task, loss = d.get("task"), d.get("loss")
+    if isinstance(task, str):
+      d["task"] = {"name": task}
+    if isinstance(loss, str):
+      d["loss"] = {"name": loss}
+    for old, new in MOVED.items():
+      if old in d:
+        group, _, field = new.partition(".")
+        d.setdefault(group, {})
+        d[group] = {**d[group], field: d.pop(old)}
+    return d
 
 
 def check_positions(model: ModelConfig, rollout: RolloutConfig) -> None:
@@ -338,7 +360,7 @@ def check_multiturn(cfg: TrainConfig) -> None:
   if bad:
     raise ValueError(f"multiturn.env={mt.env!r} (credit={mt.credit!r}) does not support "
                      f"{', '.join(bad)}")
-  if mt.turn_credit and cfg.loss not in ("gspo_token", "grpo"):
+  if mt.turn_credit and cfg.loss.name not in ("gspo_token", "grpo"):
     raise ValueError(f"multiturn.credit='turn' gives per-token advantages, which "
-                     f"loss={cfg.loss!r} cannot take: use loss=gspo_token (or grpo), or "
-                     "multiturn.credit='episode' for one advantage per episode")
+                     f"loss.name={cfg.loss.name!r} cannot take: use loss.name=gspo_token (or "
+                     "grpo), or multiturn.credit='episode' for one advantage per episode")

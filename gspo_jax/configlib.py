@@ -116,6 +116,8 @@ def _close_matches(fields: Mapping[str, Any], path: str) -> list[str]:
   close = [p for p in fields if p.rpartition(".")[2] == leaf]
   close += [siblings[s] for s in difflib.get_close_matches(leaf, siblings, n=3, cutoff=0.7)]
   close += difflib.get_close_matches(path, fields, n=3, cutoff=0.8)
+  near = difflib.get_close_matches(leaf, {p.rpartition(".")[2] for p in fields}, n=3, cutoff=0.8)
+  close += [p for p in fields if p.rpartition(".")[2] in near]  # a typo under another parent
   return list(dict.fromkeys(close))[:3]
 
 
@@ -130,6 +132,17 @@ def _unknown(cls: type, paths: Sequence[str]) -> ConfigError:
     lines.append(f"unknown config field '{path}'{hint} (fields of {owner or cls.__name__}: "
                  f"{', '.join(_children(fields, owner))})")
   return ConfigError("\n".join(lines))
+
+
+def _moved(cls: type, path: str) -> ConfigError | None:
+  """'... is now ...' for a field an earlier version had at `path` (`cls.MOVED`: old
+  dotted prefix -> new), None for any other path."""
+  for old, new in getattr(cls, "MOVED", {}).items():
+    if path == old or path.startswith(old + "."):
+      now = new + path[len(old):]
+      return ConfigError(f"config field '{path}' is now '{now}' (the config groups its "
+                         f"fields by concern); set '{now}'")
+  return None
 
 
 # ---------------------------------------------------------------------------------------
@@ -206,8 +219,9 @@ def apply_overrides(cfg: Any, overrides: Sequence[str]) -> Any:
     path = path.strip()
     if not sep or not path:
       raise ConfigError(f"override {item!r} is not of the form dotted.field=value")
+    path = getattr(cls, "ALIASES", {}).get(path, path)
     if path not in _fields(cls):
-      raise _unknown(cls, [path])
+      raise _moved(cls, path) or _unknown(cls, [path])
     _put(tree, path, _parse(_fields(cls)[path], raw, path))
   return _build(cls, tree, f"{cls.__name__} with {' '.join(overrides)}")
 
@@ -270,13 +284,19 @@ def from_dict(cls: type, d: Mapping[str, Any]) -> Any:
   """Inverse of `to_dict`: `from_dict(type(c), json.loads(json.dumps(to_dict(c)))) == c`.
 
   Missing keys take the dataclass defaults, lists become tuples, an int is accepted for a
-  float; everything else must have its declared type.
+  float; everything else must have its declared type. A dict saved by an earlier version
+  is first brought up to date by `cls.migrate(d)` when the class has one.
 
   Raises:
     ConfigError: unknown keys (each with close matches), a missing required field, a value
       of the wrong type, or a `__post_init__` check.
   """
-  return _build(cls, d, cls.__name__)
+  return _build(cls, _migrate(cls, d), cls.__name__)
+
+
+def _migrate(cls: type, d: Any) -> Any:
+  migrate = getattr(cls, "migrate", None)
+  return migrate(d) if migrate is not None and isinstance(d, Mapping) else d
 
 
 def save_json(cfg: Any, path: str) -> None:
@@ -289,7 +309,7 @@ def save_json(cfg: Any, path: str) -> None:
 def load_json(cls: type, path: str) -> Any:
   """Reads a config of dataclass type `cls` written by `save_json`."""
   with open(path) as f:
-    return _build(cls, json.load(f), f"{cls.__name__} from {path}")
+    return _build(cls, _migrate(cls, json.load(f)), f"{cls.__name__} from {path}")
 
 
 # ---------------------------------------------------------------------------------------

@@ -129,7 +129,8 @@ def run_evaluation(args) -> dict:
   if args.data:
     from gspo_jax.tasks import DatasetTask, examples_from_file
     if not isinstance(run.task, DatasetTask):
-      raise SystemExit(f"--data needs a run of task='dataset'; {run_dir} trained {cfg.task!r}")
+      raise SystemExit(f"--data needs a run of task.name='dataset'; {run_dir} trained "
+                       f"{cfg.task.name!r}")
     examples = examples_from_file(run.task, args.data)[:args.size]  # all unless --size
   else:
     examples = heldout(run.task, cfg)

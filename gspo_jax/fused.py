@@ -64,8 +64,8 @@ def make_fused_iteration(run):
   """One jitted (state, prompts_BxP, lens_B, answer_BxA, answer_lens_B) -> (state, metrics)
   for a `gspo_jax.run.Run`; the state is donated. Single-process, no KL reference,
   exact-match tasks only (answers encoded with `text.encode_answers`)."""
-  if run.cfg.kl_coef:
-    raise ValueError("fused iteration: kl_coef must be 0 (no reference policy)")
+  if run.cfg.loss.kl_coef:
+    raise ValueError("fused iteration: loss.kl_coef must be 0 (no reference policy)")
   if getattr(run.task, "format_reward", 0.0):
     raise ValueError("fused iteration: the task's format_reward must be 0 (exact match only)")
   fn = functools.partial(_iteration, graphdef=run.graphdef, tx=run.tx,

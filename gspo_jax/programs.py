@@ -74,10 +74,11 @@ def make_layout(params, tx, mesh: Mesh, sft_tx=None) -> Layout:
 
 def step_config(cfg: TrainConfig) -> step.StepConfig:
   """What the train step reads of `cfg`, resolved once: the loss with its hyperparameters
-  bound (`TrainConfig.loss_kwargs`), the KL term when `kl_coef` > 0."""
-  kl = step.KLTerm(cfg.kl_coef, cfg.kl_estimator, cfg.kl_aggregation) if cfg.kl_coef else None
+  bound (`LossConfig.kwargs`), the KL term when `loss.kl_coef` > 0."""
+  lc = cfg.loss
+  kl = step.KLTerm(lc.kl_coef, lc.kl_estimator, lc.kl_aggregation) if lc.kl_coef else None
   return step.StepConfig(
-      loss=functools.partial(losses.LOSSES[cfg.loss], **cfg.loss_kwargs()),
+      loss=functools.partial(losses.LOSSES[lc.name], **lc.kwargs()),
       num_minibatches=cfg.num_minibatches, temperature=cfg.rollout.temperature,
       share_prompts=cfg.share_prompts, old_logp=cfg.old_logp, routing=cfg.routing, kl=kl,
       truncation=cfg.truncation, max_new_tokens=cfg.rollout.max_new_tokens,
@@ -183,7 +184,7 @@ class Programs:
 
 def make_programs(graphdef, tx, cfg: TrainConfig, layout: Layout, tok) -> Programs:
   rep, ps, rows = layout.replicated, layout.state.params, layout.rows
-  ref_sh = ps if cfg.kl_coef else None
+  ref_sh = ps if cfg.loss.kl_coef else None
   scfg = step_config(cfg)
   rollout_cfg, greedy_cfg = sampler_configs(tok, cfg)
   sampler = functools.partial(sampler_program, graphdef, layout=layout, model_cfg=cfg.model)

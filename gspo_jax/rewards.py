@@ -265,7 +265,7 @@ def load_reward(spec: str) -> Reward:
 def load_rewards(specs: Sequence[str]) -> list[Reward]:
   """Every spec loaded; display names made unique (a second "f" becomes "f_2")."""
   if not specs:
-    raise ValueError("reward: no reward function given; e.g. --set reward=my_module:my_reward")
+    raise ValueError("reward: no reward function given; e.g. --set task.reward=my_module:my_reward")
   out, seen = [], {}
   for spec in specs:
     r = load_reward(spec)

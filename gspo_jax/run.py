@@ -74,17 +74,17 @@ def make_rollout(graphdef, cfg: TrainConfig, layout: Layout, tok):
 
 
 def make_task(cfg: TrainConfig):
-  """The built-in task `cfg.task`, for task="dataset" the JSONL prompts and rewards, for
-  task="gym" a reasoning-gym dataset (generated here; it needs the optional package)."""
-  if cfg.task == "dataset":
+  """The built-in task `task.name`, for "dataset" the JSONL prompts and rewards, for "gym" a
+  reasoning-gym dataset (generated here; it needs the optional package)."""
+  t = cfg.task
+  if t.name == "dataset":
     from gspo_jax.tasks import DatasetTask
-    return DatasetTask(cfg.data, cfg.reward)
-  if cfg.task == "gym":
+    return DatasetTask(t.data, t.reward)
+  if t.name == "gym":
     from gspo_jax.tasks.gym import GymTask
-    return GymTask(cfg.gym, cfg.data, cfg.reward)
+    return GymTask(t.gym, t.data, t.reward)
   from gspo_jax.tasks import make_task as builtin
-  knobs = {} if cfg.task_steps is None else {"steps": cfg.task_steps}
-  return builtin(cfg.task, digits=cfg.task_digits, **knobs)
+  return builtin(t.name, **t.builtin_kwargs())
 
 
 def with_chat_template(task, tok, cfg: TrainConfig):
@@ -92,9 +92,9 @@ def with_chat_template(task, tok, cfg: TrainConfig):
   (unless data.chat_template is off or the tokenizer has none); other tasks unchanged."""
   from gspo_jax import chat
   from gspo_jax.tasks import DatasetTask
-  if not (isinstance(task, DatasetTask) and cfg.pretrained and cfg.data.chat_template):
+  if not (isinstance(task, DatasetTask) and cfg.pretrained and cfg.task.data.chat_template):
     return task
-  render = chat.tokenizer_renderer(tok, system_prompt=cfg.data.system_prompt)
+  render = chat.tokenizer_renderer(tok, system_prompt=cfg.task.data.system_prompt)
   return task if render is None else task.with_renderer(render)
 
 
@@ -135,8 +135,8 @@ def check_prompts(task, tok, cfg: TrainConfig) -> None:
   rendered = _rendered(task)  # encoded as Run.encode_prompts encodes them
   limit = cfg.rollout.max_prompt_len
   for example in task._train + task._heldout:  # the rendered examples the run draws from
-    if not example.meta[cfg.data.prompt_field].strip():
-      raise ValueError(f"{example.meta[SOURCE]}: the prompt ({cfg.data.prompt_field!r}) "
+    if not example.meta[cfg.task.data.prompt_field].strip():
+      raise ValueError(f"{example.meta[SOURCE]}: the prompt ({cfg.task.data.prompt_field!r}) "
                        "is empty")
     n = len(tok.encode(example.prompt, add_special_tokens=not rendered))
     if n > limit:
@@ -236,8 +236,8 @@ def reference_params(run: Run, run_dir: str, *, fresh: bool):
       ckpt.maybe_save(0, run.state.params, force=True)
       return jax.tree.map(jnp.copy, run.state.params)  # the policy's buffers get donated
     if ckpt.latest_step() is None:
-      raise ValueError(f"kl_coef > 0 but {run_dir!r} has no saved reference policy "
-                       "(the run was started with kl_coef = 0)")
+      raise ValueError(f"loss.kl_coef > 0 but {run_dir!r} has no saved reference policy "
+                       "(the run was started with loss.kl_coef = 0)")
     return ckpt.restore(run.state.params, ckpt.latest_step())
   finally:
     ckpt.close()

@@ -9,7 +9,7 @@ agreement with its checkpoints.
       tokenizer.model          the task tokenizer (pretrained runs use the model's)
       checkpoints/<step>       orbax; <step>.incomplete and <step>.damaged are set aside,
                                never deleted (gspo_jax/checkpoint.py)
-      reference/               the KL reference policy (kl_coef > 0)
+      reference/               the KL reference policy (loss.kl_coef > 0)
       metrics.jsonl            one JSON record per step, each step once: cut back to the
                                restored step on resume
       metrics.jsonl.dropped    the records a resume cut (steps after the restored
@@ -47,31 +47,22 @@ REFUSED: dict[str, str] = {
     "model": "the model's shape (the checkpoint's arrays)",
     "pretrained": "the model and tokenizer",
     "pretrained_dtype": "the checkpoint's parameter dtypes",
-    "task": "the task (prompts, tokenizer, rewards)",
-    "task_digits": "the task (prompts, tokenizer, rewards)",
-    "task_steps": "the task (prompts, tokenizer, rewards)",
-    "data.train_file": "the prompts and the data stream",
-    "data.heldout_file": "the held-out set",
-    "data.heldout_fraction": "the train / held-out split and the data stream",
-    "data.prompt_field": "the prompts",
-    "data.chat_template": "the prompts as the model sees them",
-    "data.system_prompt": "the prompts as the model sees them",
-    "reward": "the rewards",
+    "task": "the task (prompts, tokenizer, rewards, the held-out set and the data stream)",
     "multiturn.env": "the environment (its problems, observations and rewards)",
-    "gym": "the problems, the held-out set and the data stream",
-    "loss": "the objective",
+    "loss.name": "the objective",
+    "loss.kl_coef": "the KL reference (saved at step 0 only when loss.kl_coef > 0)",
     "optim": "the optimiser state (its hyperparameters and schedule live in it)",
     "seed": "the data stream and the random keys",
     "rollout.prompts_per_iter": "the data position (step x prompts per iteration)",
     "rollout.oversample": "the data position (step x prompts sampled per iteration)",
-    "kl_coef": "the KL reference (saved at step 0 only when kl_coef > 0)",
 }
 # How the model runs, not its parameters (`models.config.EXECUTION_FIELDS`): allowed under
 # the refused "model", so a resume can turn on remat or attention chunks to fit memory.
 EXECUTION = tuple(f"model.{name}" for name in EXECUTION_FIELDS)
-# Changes that are safe: they change neither the state nor what a step means.
-SAFE = ("iterations", "eval_every", "eval_size", "sft", "mesh", "data.slow_reward_s",
-        "data.correct_threshold", "data.answer_field")
+# Changes that are safe: they change neither the state nor what a step means (the three
+# task.data fields only report or score, under the refused "task").
+SAFE = ("iterations", "eval_every", "eval_size", "sft", "mesh", "task.data.slow_reward_s",
+        "task.data.correct_threshold", "task.data.answer_field")
 
 
 def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
@@ -103,7 +94,8 @@ def check_resume(saved, requested, log: Callable[[str], None]) -> dict[str, tupl
   """Refuse (ValueError naming each field, its two values and what it fixes) when a field
   in REFUSED differs (RunDirError); log the allowed changes. Returns the allowed changes."""
   diff = config_diff(saved, requested)
-  refused = {k: v for k, v in diff.items() if _under(k, REFUSED) and k not in EXECUTION}
+  refused = {k: v for k, v in diff.items()
+             if _under(k, REFUSED) and not _under(k, SAFE) and k not in EXECUTION}
   if refused:
     lines = [f"  {k}: saved {a!r}, requested {b!r} ({REFUSED[_under(k, REFUSED)]})"
              for k, (a, b) in refused.items()]

@@ -43,7 +43,7 @@ Array = jax.Array
 @dataclasses.dataclass(frozen=True)
 class KLTerm:
   """`coef * losses.kl_loss(..., estimator, aggregation)` added to the loss when the batch
-  carries pi_ref's log-probs (the policy loss's aggregation: `TrainConfig.kl_aggregation`)."""
+  carries pi_ref's log-probs (the policy loss's aggregation: `LossConfig.kl_aggregation`)."""
   coef: float
   estimator: str = "k3"
   aggregation: str = "seq-mean-token-mean"

@@ -208,7 +208,7 @@ def train(cfg: TrainConfig, run_dir: str, *, resume: bool = False, checkpoint_ev
     _log(f"held-out accuracy at step {start}: {summary['heldout_accuracy_start']:.3f}")
     writer = metrics.MetricsWriter(run_dir, total=cfg.iterations, initial=start,
                                    progress=progress)
-    ref_params = reference_params(run, run_dir, fresh=start == 0) if cfg.kl_coef else None
+    ref_params = reference_params(run, run_dir, fresh=start == 0) if cfg.loss.kl_coef else None
     signals.install(signal.SIGINT)  # from here on Ctrl-C saves at the next boundary
     stopped = signals.requested()
     if stopped and start < cfg.iterations:
@@ -238,7 +238,7 @@ def train(cfg: TrainConfig, run_dir: str, *, resume: bool = False, checkpoint_ev
     if "heldout_accuracy_end" not in summary:
       summary["heldout_accuracy_end"] = evaluate_now()
     writer.print(f"held-out accuracy: {summary['heldout_accuracy_start']:.3f} at the start, "
-                 f"{summary['heldout_accuracy_end']:.3f} after {cfg.iterations} {cfg.loss} "
+                 f"{summary['heldout_accuracy_end']:.3f} after {cfg.iterations} {cfg.loss.name} "
                  f"iterations ({len(held)} problems, seed {cfg.seed})")
     return summary
   finally:

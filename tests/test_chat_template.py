@@ -7,7 +7,7 @@ import jinja2
 import pytest
 
 from gspo_jax import chat, text
-from gspo_jax.config import TrainConfig
+from gspo_jax.config import TaskConfig, TrainConfig
 from gspo_jax.run import with_chat_template
 from gspo_jax.tasks import DataConfig, DatasetTask
 
@@ -73,9 +73,10 @@ def test_applied_only_to_pretrained_dataset_prompts(tmp_path):
   path.write_text(json.dumps({"prompt": "2+3?", "answer": "5"}) + "\n")
   task = DatasetTask(DataConfig(train_file=str(path)), ["exact_match"])
   tok = FakeTok()
-  base = dict(task="dataset", reward=("exact_match",), pretrained="some/dir")
-  on = TrainConfig(data=DataConfig(train_file=str(path)), **base)
-  off = TrainConfig(data=DataConfig(train_file=str(path), chat_template=False), **base)
+  task_of = lambda data: TaskConfig(name="dataset", reward=("exact_match",), data=data)
+  on = TrainConfig(task=task_of(DataConfig(train_file=str(path))), pretrained="some/dir")
+  off = TrainConfig(task=task_of(DataConfig(train_file=str(path), chat_template=False)),
+                    pretrained="some/dir")
   shown = with_chat_template(task, tok, on).train_batch(0, 0, 1)[0]
   assert shown.prompt == "<s>[user] 2+3?\n[assistant] " and shown.meta["prompt"] == "2+3?"
   assert with_chat_template(task, tok, off).train_batch(0, 0, 1)[0].prompt == "2+3?"

@@ -99,7 +99,7 @@ def test_the_kl_term_is_added_to_the_policy_loss(setting):
   rows = step.Batch(prompts, lens, tokens, mask, jnp.asarray(logp) * mask,
                     ref_logp_BxGxT=(jnp.asarray(logp) - 0.5) * mask)
   adv = jnp.asarray(np.random.default_rng(2).normal(size=(B, G)), jnp.float32)
-  cfg = cfg_of(kl_coef=0.25)
+  cfg = cfg_of(loss=C.LossConfig(kl_coef=0.25))
   loss, m = jax.jit(functools.partial(step.minibatch_loss, graphdef=graphdef,
                                       cfg=step_config(cfg)))(
       params, mb=step.Minibatch(rows, adv))

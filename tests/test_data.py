@@ -86,15 +86,16 @@ def test_heldout_fraction_split_is_disjoint_and_order_free(tmp_path):
 def test_config_errors_name_the_field(tmp_path):
   with pytest.raises(ValueError, match="data.heldout_fraction"):
     D.DataConfig(heldout_fraction=1.0)
-  with pytest.raises(ValueError, match="data.heldout_file and data.heldout_fraction"):
+  with pytest.raises(ValueError, match="task.data.heldout_file and task.data.heldout_fraction"):
     D.DataConfig(heldout_file="h.jsonl", heldout_fraction=0.1)
-  with pytest.raises(ValueError, match="task='dataset' needs data.train_file"):
-    C.TrainConfig(task="dataset")
-  with pytest.raises(ValueError, match="apply to task='dataset'"):
-    C.TrainConfig(reward=("exact_match",))
+  with pytest.raises(ValueError, match="task.name='dataset' needs task.data.train_file"):
+    C.TaskConfig(name="dataset")
+  with pytest.raises(ValueError, match="apply to task.name='dataset'"):
+    C.TaskConfig(reward=("exact_match",))
   cfg = configlib.apply_overrides(C.TrainConfig(), [
-      "task=dataset", "data.train_file=x.jsonl", "reward=mod:f,path/r.py:g*0.5"])
-  assert cfg.reward == ("mod:f", "path/r.py:g*0.5") and cfg.data.train_file == "x.jsonl"
+      "task=dataset", "task.data.train_file=x.jsonl", "task.reward=mod:f,path/r.py:g*0.5"])
+  assert cfg.task.reward == ("mod:f", "path/r.py:g*0.5")
+  assert cfg.task.data.train_file == "x.jsonl"
   assert configlib.from_dict(C.TrainConfig, configlib.to_dict(cfg)) == cfg
 
 
@@ -124,14 +125,15 @@ def test_epochs_visit_every_record_once_and_cross_boundaries(tmp_path):
 # ------------------------------------------------------------------------------ end to end
 
 
-def dataset_cfg(tmp_path, **kw):
+def dataset_cfg(tmp_path, reward=None, **kw):
   module = tmp_path / "my_reward.py"
   module.write_text(REWARD_MODULE)
   base = dict(
-      task="dataset",
-      data=D.DataConfig(train_file=write_jsonl(tmp_path / "train.jsonl", problems(0, 12)),
-                        heldout_file=write_jsonl(tmp_path / "held.jsonl", problems(50, 54))),
-      reward=(f"{module}:correct", f"{module}:short*0.1"),
+      task=C.TaskConfig(
+          name="dataset",
+          data=D.DataConfig(train_file=write_jsonl(tmp_path / "train.jsonl", problems(0, 12)),
+                            heldout_file=write_jsonl(tmp_path / "held.jsonl", problems(50, 54))),
+          reward=reward or (f"{module}:correct", f"{module}:short*0.1")),
       model=tiny(vocab_size=24, hidden=32, mlp_dim=64, num_heads=2, num_kv_heads=1, head_dim=16),
       rollout=C.RolloutConfig(prompts_per_iter=4, group_size=2, max_new_tokens=3, max_prompt_len=8),
       sft=C.SFTConfig(steps=0), optim=C.OptimConfig(learning_rate=1e-3),
@@ -159,10 +161,10 @@ def test_jsonl_and_reward_module_train_end_to_end_and_resume_mid_epoch(tmp_path,
   part_log = tmp_path / "prompts_part.log"
   monkeypatch.setenv("GSPO_TEST_PROMPT_LOG", str(part_log))
   T.train(cfg, str(part), resume=True, checkpoint_every=2, progress=False)
-  full = train_prompts(log, cfg.data.train_file)
+  full = train_prompts(log, cfg.task.data.train_file)
   assert len(full) == 4 and all(len(c) == 4 * 2 for c in full)  # B * G rows per call
   # The resumed iterations 3 and 4 draw the same prompts as the uninterrupted run, in order.
-  assert full[2:] == train_prompts(part_log, cfg.data.train_file)
+  assert full[2:] == train_prompts(part_log, cfg.task.data.train_file)
   out = capsys.readouterr().out
   assert "data position at step 2: epoch 0, index 8 of 12" in out
   assert "first prompt as the model sees it: '" in out  # plain text: no chat template
@@ -181,7 +183,7 @@ def test_jsonl_and_reward_module_train_end_to_end_and_resume_mid_epoch(tmp_path,
   # The evaluation command on a JSONL file: greedy accuracy, pass@k, a JSON report.
   report_path = tmp_path / "report.json"
   evaluate.main(["--checkpoint", str(tmp_path / "full" / "checkpoints" / "4"), "--data",
-                 cfg.data.heldout_file, "--k", "2", "--n", "4", "--out", str(report_path)])
+                 cfg.task.data.heldout_file, "--k", "2", "--n", "4", "--out", str(report_path)])
   report = json.loads(report_path.read_text())
   assert report["step"] == 4 and report["prompts"] == 4 and (report["k"], report["n"]) == (2, 4)
   assert report["pass@2"] == pytest.approx(
@@ -196,7 +198,8 @@ def test_bad_reward_stops_training_with_the_sample(tmp_path, monkeypatch):
   # No held-out set: training starts without one, and the first reward call is on the
   # first rollout (4 prompts x 2 responses).
   cfg = dataset_cfg(tmp_path, reward=(f"{module}:f",), iterations=1)
-  cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, heldout_file=""))
+  cfg = dataclasses.replace(cfg, task=dataclasses.replace(
+      cfg.task, data=dataclasses.replace(cfg.task.data, heldout_file="")))
   with pytest.raises(ValueError, match=r"reward f .* returned 1 values for 8 completions .*"
                                        r"first: prompt '\d+\+\d='"):
     T.train(cfg, str(tmp_path / "run"), progress=False)
@@ -229,5 +232,5 @@ def test_word_problem_example_data_reward_and_config(tmp_path):
                         ["7"] * 5) == [1, 1, 1, 0, 0]
   assert reward.brief(None, ["7", " 12.", "7 apples"]) == [1, 1, 0]
   cfg = configlib.load_config(os.path.join(root, "configs", "smollm2_word_problems.py"))
-  assert cfg.task == "dataset" and cfg.reward[0].endswith("reward.py:correct")
+  assert cfg.task.name == "dataset" and cfg.task.reward[0].endswith("reward.py:correct")
   assert configlib.from_dict(C.TrainConfig, configlib.to_dict(cfg)) == cfg

@@ -21,7 +21,7 @@ from gspo_jax import configlib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # One-digit addition after 20 SFT steps earns some reward (nonzero advantages and gradients).
-SETTINGS = ["iterations=3", "eval_every=0", "eval_size=8", "task_digits=1", "sft.steps=20",
+SETTINGS = ["iterations=3", "eval_every=0", "eval_size=8", "task.digits=1", "sft.steps=20",
             "sft.batch_size=16", "sft.learning_rate=1e-2", "sft.target_accuracy=0",
             "optim.warmup_steps=0", "rollout.prompts_per_iter=4", "rollout.group_size=4",
             "rollout.max_new_tokens=4", "rollout.max_prompt_len=8", "num_minibatches=2",

@@ -65,12 +65,12 @@ def test_long_task_configs_of_the_other_experiments():
   """--task long builds each experiment's variant on configs/long_chain.py (the quick runs
   above and below exercise the training path)."""
   replay = load("routing_replay").config("grpo_replay", 1, False, None, None, "long")
-  assert replay.task == "chain" and replay.model.num_experts == 8 and replay.routing == "replay"
+  assert replay.task.name == "chain" and replay.model.num_experts == 8 and replay.routing == "replay"
   assert replay.model.vocab_size == 48 and replay.optim.learning_rate == 1e-4 and replay.seed == 1
   assert load("routing_replay").config("grpo_free", 0, False, None, None,
                                        "addition").optim.learning_rate == 3e-4
   bf16 = load("precision_training").config("gspo_sampler", 0, False, 7, "long")
-  assert bf16.task == "chain" and bf16.old_logp == "sampler" and bf16.iterations == 7
+  assert bf16.task.name == "chain" and bf16.old_logp == "sampler" and bf16.iterations == 7
   assert bf16.rollout.sampler_dtype == "bfloat16" and bf16.length_clip_metrics
   # The opt-in variants: TIS against the bf16 sampler (pi_old recomputed), and replaying
   # pi_old's vs the bf16 sampler's own expert choices.
@@ -86,7 +86,7 @@ def test_long_task_configs_of_the_other_experiments():
   # Every objective is a --losses choice; the default comparison stays GSPO vs GRPO.
   g = load("gspo_vs_grpo")
   assert {"sapo", "cispo", "gmpo", "luspo"} <= set(g.LOSSES + g.AFTER_GSPO)
-  assert g.config("cispo", 0, False, None, "long").loss_kwargs()["eps_high"] == 4.0
+  assert g.config("cispo", 0, False, None, "long").loss.kwargs()["eps_high"] == 4.0
 
 
 def test_iteration_flops_by_hand():
@@ -94,12 +94,12 @@ def test_iteration_flops_by_hand():
   cfg = {"model": {"hidden": 4, "num_layers": 2, "vocab_size": 10, "num_heads": 2,
                    "head_dim": 3, "num_kv_heads": 1, "mlp_dim": 8},
          "rollout": {"prompts_per_iter": 2, "group_size": 3, "max_prompt_len": 5,
-                     "max_new_tokens": 7}, "kl_coef": 0.0}
+                     "max_new_tokens": 7}, "loss": {"kl_coef": 0.0}}
   # W = 2 layers * (q 4*2*3 + o 2*3*4 + k, v 2*4*1*3 + SwiGLU 3*4*8) = 2 * 168 = 336.
   # sampling 2*336*(2*5 + 6*4) + 2*4*10*6*4 = 22848 + 1920; teacher 2*336*6*12 + 2*4*10*6*7
   # = 48384 + 3360 = 51744, four times (pi_old + update's forward and backward).
   assert runs.iteration_flops(cfg, {"decode_steps": 4}) == 22848 + 1920 + 4 * 51744
-  assert runs.iteration_flops({**cfg, "kl_coef": 0.1}, {"decode_steps": 4}) == (
+  assert runs.iteration_flops({**cfg, "loss": {"kl_coef": 0.1}}, {"decode_steps": 4}) == (
       22848 + 1920 + 5 * 51744)
 
 

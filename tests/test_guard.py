@@ -136,7 +136,7 @@ def test_infinite_loss_with_finite_gradient_is_skipped(setting):
   a bf16 reference underflowing): k3 = e^d - d - 1 with d = log pi_ref - log pi_theta is
   +inf, but its gradient e^d - 1 = -1 is finite. The loss is not a number to step on."""
   graphdef, tx, state, batch, rewards = setting
-  cfg = dataclasses.replace(CFG, kl_coef=0.1)
+  cfg = dataclasses.replace(CFG, loss=C.LossConfig(kl_coef=0.1))
   ref = batch.old_logp_BxGxT.at[:, :, 0].set(-jnp.inf)  # every row: each minibatch
   batch = batch.replace(ref_logp_BxGxT=ref)
   program = jax.jit(functools.partial(step.update, graphdef=graphdef, tx=tx,

@@ -32,11 +32,11 @@ SETTINGS = {"chain_sum": {}, "basic_arithmetic": {},
 def rg():
   return pytest.importorskip(
       "reasoning_gym", reason="reasoning-gym is an optional extra (pip install "
-      "reasoning-gym==0.1.25); task='gym' tests that generate problems need it")
+      "reasoning-gym==0.1.25); task.name='gym' tests that generate problems need it")
 
 
 def gym_cfg(name="chain_sum", **kw) -> C.TrainConfig:
-  return C.TrainConfig(task="gym", gym=G.GymConfig(name=name, **kw))
+  return C.TrainConfig(task=C.TaskConfig(name="gym", gym=G.GymConfig(name=name, **kw)))
 
 
 def make(name, log=print, **kw) -> G.GymTask:
@@ -51,7 +51,7 @@ def test_unknown_name_is_refused_with_close_matches_when_the_config_is_built():
   with pytest.raises(configlib.ConfigError,
                      match=r"gym.name 'chain_summ' is not a reasoning-gym.*did you mean "
                            r"'chain_sum'"):
-    configlib.apply_overrides(C.TrainConfig(), ["task=gym", "gym.name=chain_summ"])
+    configlib.apply_overrides(C.TrainConfig(), ["task=gym", "task.gym.name=chain_summ"])
   with pytest.raises(ValueError, match="did you mean 'countdown'"):
     G.GymConfig(name="count_down")
   with pytest.raises(ValueError, match="gym.name 'zzzz' is not a reasoning-gym") as e:
@@ -60,32 +60,33 @@ def test_unknown_name_is_refused_with_close_matches_when_the_config_is_built():
 
 
 def test_gym_settings_are_checked_when_the_config_is_built():
-  with pytest.raises(ValueError, match="task='gym' needs gym.name"):
-    C.TrainConfig(task="gym")
-  with pytest.raises(ValueError, match="gym.\\* applies to task='gym'; task is 'addition'"):
-    C.TrainConfig(gym=G.GymConfig(name="chain_sum"))
-  with pytest.raises(ValueError, match="data.heldout_file.*apply to task='dataset'"):
-    C.TrainConfig(task="gym", gym=G.GymConfig(name="chain_sum"),
-                  data=DataConfig(heldout_fraction=0.1))
+  with pytest.raises(ValueError, match="task.name='gym' needs task.gym.name"):
+    C.TaskConfig(name="gym")
+  with pytest.raises(ValueError, match="task.gym.\\* applies to task.name='gym'; task.name is "
+                                       "'addition'"):
+    C.TaskConfig(gym=G.GymConfig(name="chain_sum"))
+  with pytest.raises(ValueError, match="task.data.heldout_file.*apply to task.name='dataset'"):
+    C.TaskConfig(name="gym", gym=G.GymConfig(name="chain_sum"),
+                 data=DataConfig(heldout_fraction=0.1))
   with pytest.raises(ValueError, match="gym.kwargs must be a JSON object; got '\\[1\\]'"):
     G.GymConfig(name="chain_sum", kwargs="[1]")
   with pytest.raises(ValueError, match="gym.kwargs must be a JSON object, e.g."):
     G.GymConfig(name="chain_sum", kwargs="max_terms=3")
-  with pytest.raises(ValueError, match="gym.kwargs sets \\['seed'\\]: use gym.seed"):
+  with pytest.raises(ValueError, match="task.gym.kwargs sets \\['seed'\\]: use task.gym.seed"):
     G.GymConfig(name="chain_sum", kwargs='{"seed": 3}')
   with pytest.raises(ValueError, match="gym.size \\(0\\)"):
     G.GymConfig(name="chain_sum", size=0)
   # Extra rewards are allowed with the verifier; the held-out seed keeps clear of training.
-  cfg = C.TrainConfig(task="gym", gym=G.GymConfig(name="chain_sum", seed=5),
-                      reward=("format_reward*0.1",))
-  assert cfg.gym.resolved_heldout_seed == 5 + 2**31
+  cfg = C.TrainConfig(task=C.TaskConfig(name="gym", gym=G.GymConfig(name="chain_sum", seed=5),
+                                       reward=("format_reward*0.1",)))
+  assert cfg.task.gym.resolved_heldout_seed == 5 + 2**31
   assert configlib.from_dict(C.TrainConfig, json.loads(json.dumps(configlib.to_dict(cfg)))) == cfg
 
 
 def test_missing_package_is_named_at_setup_with_the_setting(monkeypatch, tmp_path):
   monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # import fails, installed or not
   cfg = gym_cfg("countdown", size=4, heldout_size=2)       # in the static list: builds
-  with pytest.raises(ImportError, match=r"task='gym' \(gym.name='countdown'\) needs the "
+  with pytest.raises(ImportError, match=r"task.name='gym' \(task.gym.name='countdown'\) needs the "
                                         r"optional package reasoning-gym: pip install "
                                         r"reasoning-gym"):
     R.setup(cfg, str(tmp_path / "run"))  # before the tokenizer and the model
@@ -93,9 +94,9 @@ def test_missing_package_is_named_at_setup_with_the_setting(monkeypatch, tmp_pat
 
 def test_resume_refuses_other_problems():
   saved = gym_cfg("chain_sum")
-  with pytest.raises(rundir.RunDirError, match="gym.size: saved 1000, requested 10 "
-                                               "\\(the problems"):
-    rundir.check_resume(saved, configlib.apply_overrides(saved, ["gym.size=10"]), print)
+  with pytest.raises(rundir.RunDirError, match="task.gym.size: saved 1000, requested 10 "
+                                               "\\(the task"):
+    rundir.check_resume(saved, configlib.apply_overrides(saved, ["task.gym.size=10"]), print)
 
 
 # --------------------------------------------------------------------- with reasoning-gym
@@ -167,8 +168,9 @@ def test_every_held_out_problem_seen_is_an_error(rg):
 
 
 def test_extra_rewards_follow_the_verifier(rg):
-  cfg = C.TrainConfig(task="gym", gym=G.GymConfig(name="chain_sum", size=4, heldout_size=2),
-                      reward=("format_reward*0.5",))
+  cfg = C.TrainConfig(task=C.TaskConfig(
+      name="gym", gym=G.GymConfig(name="chain_sum", size=4, heldout_size=2),
+      reward=("format_reward*0.5",)))
   task = R.make_task(cfg)  # the run's way: gym.* and reward from the config
   assert isinstance(task, G.GymTask)
   e = task.train_batch(0, 0, 1)[0]

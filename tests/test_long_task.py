@@ -1,6 +1,6 @@
 """gspo_jax.tasks.chain (the long task): hand-checked problems and solutions, every
 demonstration verifies, disjoint splits, wrong answers score 0, solution length follows
-task_steps, and settings whose solutions cannot fit the rollout are refused by name."""
+task.steps, and settings whose solutions cannot fit the rollout are refused by name."""
 
 import dataclasses
 import re
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from gspo_jax import run as run_lib
-from gspo_jax.config import RolloutConfig, TrainConfig
+from gspo_jax.config import RolloutConfig, TaskConfig, TrainConfig
 from gspo_jax.tasks import TASKS, Chain, make_task
 from gspo_jax.tokenizer import SentencePieceTokenizer
 
@@ -48,10 +48,10 @@ def test_registry_and_run_pass_the_knobs():
   assert TASKS["chain"] is Chain
   task = make_task("chain", digits=2, steps=7)
   assert (task.digits, task.steps) == (2, 7)
-  cfg = TrainConfig(task="chain", task_digits=1, task_steps=5,
+  cfg = TrainConfig(task=TaskConfig(name="chain", digits=1, steps=5),
                     rollout=RolloutConfig(max_new_tokens=64, max_prompt_len=24))
   assert repr(run_lib.make_task(cfg)) == repr(Chain(digits=1, steps=5))
-  default = TrainConfig(task="chain", task_digits=1,
+  default = TrainConfig(task=TaskConfig(name="chain", digits=1),
                         rollout=RolloutConfig(max_new_tokens=130, max_prompt_len=48))
   assert run_lib.make_task(default).steps == 12
 
@@ -135,26 +135,27 @@ def test_bad_task_settings_are_refused():
     with pytest.raises(ValueError, match=f"Chain: {field} must be an int"):
       Chain(**kwargs)
   wide = RolloutConfig(max_new_tokens=400, max_prompt_len=100)
-  with pytest.raises(ValueError, match=r"task='chain' needs task_steps in \[1, 26\] \(one "
+  with pytest.raises(ValueError, match=r"task.name='chain' needs task.steps in \[1, 26\] \(one "
                                        r"letter per operation\); got 30"):
-    TrainConfig(task="chain", task_steps=30, rollout=wide)
-  with pytest.raises(ValueError, match=r"task='chain' needs task_digits in \[1, 3\]; got 5"):
-    TrainConfig(task="chain", task_digits=5, rollout=wide)
-  with pytest.raises(ValueError, match="task_steps applies to task='chain'; task is 'addition'"):
-    TrainConfig(task="addition", task_steps=5)
+    TrainConfig(task=TaskConfig(name="chain", steps=30), rollout=wide)
+  with pytest.raises(ValueError, match=r"task.name='chain' needs task.digits in \[1, 3\]; got 5"):
+    TrainConfig(task=TaskConfig(name="chain", digits=5), rollout=wide)
+  with pytest.raises(ValueError,
+                     match="task.steps applies to task.name='chain'; task.name is 'addition'"):
+    TrainConfig(task=TaskConfig(name="addition", steps=5))
 
 
 def test_solutions_that_cannot_fit_are_refused_at_config_time():
   ok = RolloutConfig(max_new_tokens=130, max_prompt_len=48)
-  TrainConfig(task="chain", task_digits=1, task_steps=12, rollout=ok)
+  TrainConfig(task=TaskConfig(name="chain", digits=1, steps=12), rollout=ok)
   # 12 steps hold 62 digits: fewer than 63 new tokens can never fit (digits are split).
   with pytest.raises(ValueError, match=r"needs rollout.max_new_tokens >= 63 .* got "
                                        r"rollout.max_new_tokens=62"):
-    TrainConfig(task="chain", task_digits=1, task_steps=12,
+    TrainConfig(task=TaskConfig(name="chain", digits=1, steps=12),
                 rollout=dataclasses.replace(ok, max_new_tokens=62))
   with pytest.raises(ValueError, match=r"needs rollout.max_prompt_len >= 15 .* got "
                                        r"rollout.max_prompt_len=14"):
-    TrainConfig(task="chain", task_digits=1, task_steps=12,
+    TrainConfig(task=TaskConfig(name="chain", digits=1, steps=12),
                 rollout=dataclasses.replace(ok, max_prompt_len=14))
 
 
@@ -176,10 +177,10 @@ def test_check_fits_is_exact_under_the_tokenizer():
 def test_setup_refuses_a_rollout_too_short_before_any_work(tmp_path):
   # Passes the config's digit-count bound (18) but not the tokenizer's exact count (~58):
   # setup stops once the tokenizer exists, before the model or the programs are built.
-  cfg = TrainConfig(task="chain", task_digits=1, task_steps=5,
+  cfg = TrainConfig(task=TaskConfig(name="chain", digits=1, steps=5),
                     rollout=RolloutConfig(max_new_tokens=40, max_prompt_len=24))
   with pytest.raises(ValueError, match=r"> rollout.max_new_tokens=40; raise "
-                                       r"rollout.max_new_tokens or lower task_steps"):
+                                       r"rollout.max_new_tokens or lower task.steps"):
     run_lib.setup(cfg, str(tmp_path))
   # A refused start leaves the run directory as it was: no tokenizer for the next start.
   assert not (tmp_path / "tokenizer.model").exists()

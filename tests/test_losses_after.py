@@ -528,17 +528,20 @@ def test_length_weighting_a_per_sequence_objective_is_warned():
 
 def test_config_takes_each_loss_defaults_and_refuses_what_does_not_apply():
   cfg = lambda *sets: configlib.apply_overrides(C.TrainConfig(), list(sets))
-  assert cfg("loss=sapo").loss_kwargs() == {"tau_pos": 1.0, "tau_neg": 1.05}
-  assert cfg("loss=sapo_seq", "tau_neg=2.0").loss_kwargs() == {"tau_pos": 1.0, "tau_neg": 2.0}
-  assert cfg("loss=cispo").loss_kwargs() == L.LOSS_DEFAULTS["cispo"]
-  assert cfg("loss=cispo").kl_aggregation == "token-mean"
-  assert cfg("loss=gmpo", "eps_high=0.2").loss_kwargs() == {"eps_low": 0.4, "eps_high": 0.2}
-  assert cfg("loss=luspo").loss_kwargs() == {"eps_low": 3e-4, "eps_high": 4e-4}
+  assert cfg("loss=sapo").loss.kwargs() == {"tau_pos": 1.0, "tau_neg": 1.05}
+  assert cfg("loss=sapo_seq", "loss.tau_neg=2.0").loss.kwargs() == {"tau_pos": 1.0,
+                                                                   "tau_neg": 2.0}
+  assert cfg("loss=cispo").loss.kwargs() == L.LOSS_DEFAULTS["cispo"]
+  assert cfg("loss=cispo").loss.kl_aggregation == "token-mean"
+  assert cfg("loss=gmpo", "loss.eps_high=0.2").loss.kwargs() == {"eps_low": 0.4,
+                                                                "eps_high": 0.2}
+  assert cfg("loss=luspo").loss.kwargs() == {"eps_low": 3e-4, "eps_high": 4e-4}
   # Refused, not ignored: GSPO with token-mean aggregation would be length-weighted.
-  for sets, msg in ((("aggregation=token-mean",), "aggregation applies to loss='grpo'/'cispo'"),
-                    (("loss=sapo", "eps_low=0.2"), "eps_low applies to"),
-                    (("tau_pos=2.0",), "tau_pos applies to loss='sapo'/'sapo_seq'"),
-                    (("loss=sapo", "tau_pos=0"), "tau_pos must be > 0")):
+  for sets, msg in ((("loss.aggregation=token-mean",),
+                     "loss.aggregation applies to loss.name='grpo'/'cispo'"),
+                    (("loss=sapo", "loss.eps_low=0.2"), "loss.eps_low applies to"),
+                    (("loss.tau_pos=2.0",), "loss.tau_pos applies to loss.name='sapo'/'sapo_seq'"),
+                    (("loss=sapo", "loss.tau_pos=0"), "loss.tau_pos must be > 0")):
     with pytest.raises(configlib.ConfigError, match=msg):
       cfg(*sets)
 
@@ -553,9 +556,9 @@ def tiny_run(tmp_path_factory):
 @pytest.mark.slow  # one update program per loss (~5 s each, nearly all compiling)
 @pytest.mark.parametrize("name", NEW)
 def test_one_training_step_of_each_new_loss(tiny_run, name):
-  # The train step calls LOSSES[cfg.loss](flat logp, flat old, adv, mask, **cfg.loss_kwargs()).
+  # The train step calls LOSSES[loss.name](flat logp, flat old, adv, mask, **loss.kwargs()).
   from tests.test_train import leaves, random_rewards, rollout, tiny_cfg
-  run = tiny_run.reconfigure(tiny_cfg(loss=name))
+  run = tiny_run.reconfigure(tiny_cfg(loss=C.LossConfig(name=name)))
   before = leaves(run.state.params)
   r = rollout(run)
   new, m = run.programs.update(jax.tree.map(jnp.copy, run.state), r.batch, random_rewards(r, 0))

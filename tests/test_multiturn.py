@@ -275,18 +275,19 @@ def test_scanned_layers_episodes_equal_teacher_forcing_and_a_full_prefill():
 def test_multiturn_config_refuses_what_it_does_not_support():
   from gspo_jax import config as C
   on = C.MultiTurnConfig(env="calculator")
-  C.TrainConfig(multiturn=on, loss="gspo_token")
-  C.TrainConfig(multiturn=dataclasses.replace(on, credit="episode"), loss="gspo")
+  C.TrainConfig(multiturn=on, loss=C.LossConfig("gspo_token"))
+  C.TrainConfig(multiturn=dataclasses.replace(on, credit="episode"), loss=C.LossConfig("gspo"))
   with pytest.raises(ValueError, match="credit='turn' gives per-token advantages, which "
-                                       "loss='gspo' cannot take"):
-    C.TrainConfig(multiturn=on, loss="gspo")
+                                       "loss.name='gspo' cannot take"):
+    C.TrainConfig(multiturn=on, loss=C.LossConfig("gspo"))
   with pytest.raises(ValueError, match=r"does not support rollout.oversample"):
-    C.TrainConfig(multiturn=on, loss="gspo_token",
+    C.TrainConfig(multiturn=on, loss=C.LossConfig("gspo_token"),
                   rollout=C.RolloutConfig(oversample=8))
   with pytest.raises(ValueError, match=r"does not support truncation='mask'/'overlong'"):
-    C.TrainConfig(multiturn=on, loss="gspo_token", truncation="mask")
+    C.TrainConfig(multiturn=on, loss=C.LossConfig("gspo_token"), truncation="mask")
   with pytest.raises(ValueError, match=r"does not support rollout.compact_rows"):
-    C.TrainConfig(multiturn=on, loss="gspo_token", rollout=C.RolloutConfig(compact_rows=6))
+    C.TrainConfig(multiturn=on, loss=C.LossConfig("gspo_token"),
+                  rollout=C.RolloutConfig(compact_rows=6))
   with pytest.raises(ValueError, match="multiturn.\\* settings apply to multi-turn episodes"):
     C.TrainConfig(multiturn=C.MultiTurnConfig(max_turns=2))
   with pytest.raises(ValueError, match="multiturn.max_obs_tokens must be an int >= 1"):
@@ -297,7 +298,7 @@ def test_stop_strings_must_be_single_tokens():
   from gspo_jax import config as C
   from gspo_jax import programs
   cfg = C.TrainConfig(multiturn=C.MultiTurnConfig(env="calculator", stop_strings=("/", "<>")),
-                      loss="gspo_token")
+                      loss=C.LossConfig("gspo_token"))
   with pytest.raises(ValueError, match=r"multiturn.stop_strings: '<>' is 2 tokens"):
     programs.episode_configs(TOK, cfg)
   rollout, greedy = programs.episode_configs(
@@ -348,9 +349,9 @@ def test_update_with_turn_credit_is_gspo_on_one_turn_and_differs_on_several(prog
                                                     cfg=step_config(cfg)))
     return update(state, batch, jnp.asarray(rewards))[0].params
 
-  turn_cfg = dataclasses.replace(base, loss="gspo_token",
+  turn_cfg = dataclasses.replace(base, loss=C.LossConfig("gspo_token"),
                                  multiturn=C.MultiTurnConfig(env="calculator"))
-  gspo_cfg = dataclasses.replace(base, loss="gspo")
+  gspo_cfg = dataclasses.replace(base, loss=C.LossConfig("gspo"))
   gap = lambda x, y: max(float(jnp.max(jnp.abs(a - b))) for a, b in
                          zip(jax.tree.leaves(x), jax.tree.leaves(y)))
   one = programs.run(OneTurn)
@@ -369,7 +370,7 @@ def test_an_environment_that_does_not_load_stops_setup_before_any_work(tmp_path,
   from gspo_jax import config as C
   from gspo_jax import run as R
   monkeypatch.setattr(R, "make_task", lambda cfg: pytest.fail("setup went on"))
-  cfg = C.TrainConfig(multiturn=C.MultiTurnConfig(env="nope.py:Env"), loss="gspo_token")
+  cfg = C.TrainConfig(multiturn=C.MultiTurnConfig(env="nope.py:Env"), loss=C.LossConfig("gspo_token"))
   with pytest.raises(ValueError, match=r"multiturn.env='nope.py:Env'"):
     R.setup(cfg, str(tmp_path))
   assert list(tmp_path.iterdir()) == []

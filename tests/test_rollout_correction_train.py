@@ -100,7 +100,7 @@ def test_weights_of_exactly_one_leave_the_step_unchanged(run):
 
 
 def test_mask_mode_removes_tokens_from_numerators_and_denominators(run):
-  cfg = cfg_of(loss="grpo", aggregation="token-mean", num_minibatches=1,
+  cfg = cfg_of(loss=C.LossConfig(name="grpo", aggregation="token-mean"), num_minibatches=1,
                rollout_correction=RC(level="token", mode="mask"))
   batch, rewards = rollout(run.reconfigure(cfg))
   mask = np.asarray(batch.mask_BxGxT)

@@ -104,8 +104,9 @@ def test_track_reports_changed_routing_and_replay_removes_it(run, configured, ro
   loss, metrics = step.minibatch_loss(new.params, run.graphdef, mb, step_config(replay.cfg))
   loss_free, _ = step.minibatch_loss(new.params, run.graphdef, mb,
                                      step_config(dataclasses.replace(run.cfg, routing="free")))
-  want, _ = losses.LOSSES[run.cfg.loss](forced, flat(batch.old_logp_BxGxT),
-                                        mb.adv_bxg.reshape(-1), mask, **run.cfg.loss_kwargs())
+  want, _ = losses.LOSSES[run.cfg.loss.name](forced, flat(batch.old_logp_BxGxT),
+                                             mb.adv_bxg.reshape(-1), mask,
+                                             **run.cfg.loss.kwargs())
   np.testing.assert_allclose(float(loss), float(want), rtol=1e-6)
   assert float(loss) != float(loss_free)
   # A full replayed update runs and moves the parameters.
@@ -265,8 +266,8 @@ def test_bfloat16_sampler_choices_are_replayed_in_training(run):
   from gspo_jax.advantages import group_advantages
   mb = step.Minibatch(batch, group_advantages(rewards))
   loss, _ = step.minibatch_loss(params, r3.graphdef, mb, step_config(r3.cfg))
-  want, _ = losses.LOSSES[r3.cfg.loss](forced, flat(batch.old_logp_BxGxT), mb.adv_bxg.reshape(-1),
-                                       mask, **r3.cfg.loss_kwargs())
+  want, _ = losses.LOSSES[r3.cfg.loss.name](forced, flat(batch.old_logp_BxGxT),
+                                            mb.adv_bxg.reshape(-1), mask, **r3.cfg.loss.kwargs())
   np.testing.assert_allclose(float(loss), float(want), rtol=1e-6)
   new, m = r3.programs.update(jax.tree.map(jnp.copy, r3.state.replace(params=params)), batch,
                               rewards)

@@ -178,7 +178,7 @@ def test_refused_start_and_resume_change_nothing(files, full, tmp_path, capsys):
   with pytest.raises(rundir.RunDirError) as e:
     T.train(wider, str(run_dir), resume=True, progress=False)
   assert "model.hidden: saved 32, requested 64" in str(e.value)
-  assert "loss: saved 'gspo', requested 'grpo'" in str(e.value)
+  assert "loss.name: saved 'gspo', requested 'grpo'" in str(e.value)
   for bad in (["--keep-checkpoints", "0"], ["--checkpoint-every", "-1"],
               ["--set", "rollout.temperature=0"], ["--set", "rollout.top_p=1.5"],
               ["--set", "model.hidden=64"], []):  # the last: a fresh start, refused
@@ -301,11 +301,13 @@ def test_resume_diff_classifies_fields():
     with pytest.raises(rundir.RunDirError, match=what):
       rundir.check_resume(saved, T.configlib.apply_overrides(saved, [change]), print)
   # What defines the task and its rewards: the chain's length, a multi-turn environment.
-  chain = dataclasses.replace(saved, task="chain", task_digits=1, task_steps=3,
+  chain = dataclasses.replace(saved, task=C.TaskConfig(name="chain", digits=1, steps=3),
                               rollout=C.RolloutConfig(max_new_tokens=64))
-  with pytest.raises(rundir.RunDirError, match=r"task_steps: saved 3, requested 5 \(the task"):
-    rundir.check_resume(chain, dataclasses.replace(chain, task_steps=5), print)
-  env = dataclasses.replace(saved, loss="gspo_token", multiturn=C.MultiTurnConfig(env="calculator"))
+  with pytest.raises(rundir.RunDirError, match=r"task.steps: saved 3, requested 5 \(the task"):
+    rundir.check_resume(chain, dataclasses.replace(
+        chain, task=dataclasses.replace(chain.task, steps=5)), print)
+  env = dataclasses.replace(saved, loss=C.LossConfig("gspo_token"),
+                            multiturn=C.MultiTurnConfig(env="calculator"))
   other = dataclasses.replace(
       env, multiturn=C.MultiTurnConfig(env="tests.multiturn_helpers:ScriptedEnv"))
   with pytest.raises(rundir.RunDirError, match=r"multiturn.env: saved 'calculator'.*environment"):
@@ -361,8 +363,8 @@ def test_generate_temperature_0_is_greedy(monkeypatch):
 
 def dataset_cfg(path, max_prompt_len=8, **kw):
   from gspo_jax.tasks import DataConfig
-  return C.TrainConfig(task="dataset", data=DataConfig(train_file=str(path)),
-                       reward=("exact_match",),
+  return C.TrainConfig(task=C.TaskConfig(name="dataset", data=DataConfig(train_file=str(path)),
+                                        reward=("exact_match",)),
                        rollout=C.RolloutConfig(max_prompt_len=max_prompt_len), **kw)
 
 
@@ -376,12 +378,12 @@ def test_dataset_prompts_are_checked_at_start_up_with_file_and_line(tmp_path):
                        (['"1+1="', '"2+2="', '"1234567890"'],
                         r"d.jsonl:3: the prompt is 11 tokens .* rollout.max_prompt_len=8")]:
     path.write_text("".join(f'{{"prompt": {p}, "answer": "2"}}\n' for p in lines))
-    task = DatasetTask(dataset_cfg(path).data, ["exact_match"])
+    task = DatasetTask(dataset_cfg(path).task.data, ["exact_match"])
     with pytest.raises(ValueError, match=match):
       check_prompts(task, FakeTok(), dataset_cfg(path))
   # As the model sees it: "12345" fits (6 tokens with BOS), its chat rendering does not.
   path.write_text('{"prompt": "12345", "answer": "2"}\n')
-  task = DatasetTask(dataset_cfg(path).data, ["exact_match"])
+  task = DatasetTask(dataset_cfg(path).task.data, ["exact_match"])
   check_prompts(task, FakeTok(), dataset_cfg(path))
   pretrained = dataset_cfg(path, pretrained="some/dir")
   rendered = with_chat_template(task, FakeTok(), pretrained)
@@ -415,7 +417,7 @@ def test_checking_100k_dataset_prompts_is_fast(tmp_path):
       f.write("\n")
     f.write('{"prompt": "123456789+987654321+123456789=", "answer": "0"}\n')
   t0 = time.perf_counter()
-  task = DatasetTask(dataset_cfg(path).data, ["exact_match"])
+  task = DatasetTask(dataset_cfg(path).task.data, ["exact_match"])
   t1 = time.perf_counter()
   tok = SentencePieceTokenizer.train(task.corpus(None, 2000)[:2000], vocab_size=32)
   t2 = time.perf_counter()
@@ -496,3 +498,41 @@ def test_a_fresh_start_retrains_a_tokenizer_left_by_a_start_that_never_began(tmp
   rundir.save_config(str(run_dir), cfg, previous_step=0)
   got, trained = R.make_tokenizer(task, cfg, str(run_dir))
   assert not trained and got.vocab_size == stale.vocab_size
+
+
+# -------------------------------------------------------- configs saved before the groups
+
+
+def test_a_config_saved_before_the_groups_loads_as_the_same_config():
+  """tests/data/config_before_groups.json is the config.json that commit 5f1a89d wrote for
+  configs/addition_tiny.py (task, loss, eps and KL fields flat at the top): it loads, moved
+  into the task and loss groups, as the same config the file builds today."""
+  saved = T.configlib.load_json(C.TrainConfig, os.path.join(HERE, "data",
+                                                            "config_before_groups.json"))
+  assert saved == T.configlib.load_config(os.path.join(ROOT, "configs", "addition_tiny.py"))
+  assert rundir.config_diff(saved, saved) == {}
+
+
+def test_a_run_saved_before_the_groups_resumes_and_is_rewritten_once(files, full, tmp_path):
+  """A run directory whose config.json has the flat fields (as earlier versions wrote it)
+  resumes: the saved config loads through `TrainConfig.migrate`, compares equal to the
+  requested one, and the resume writes config.json in the grouped form once (the flat
+  file kept beside it as config.before_step_N.json)."""
+  run_dir = tmp_path / "old"
+  shutil.copytree(full, run_dir)
+  grouped = json.loads((run_dir / "config.json").read_text())
+  flat = {k: v for k, v in grouped.items() if k not in ("task", "loss")}
+  task, loss = grouped["task"], grouped["loss"]
+  flat.update(task=task["name"], task_digits=task["digits"], task_steps=task["steps"],
+              data=task["data"], reward=task["reward"], gym=task["gym"], loss=loss["name"],
+              eps_low=loss["eps_low"], eps_high=loss["eps_high"],
+              aggregation=loss["aggregation"], tau_pos=loss["tau_pos"],
+              tau_neg=loss["tau_neg"], kl_coef=loss["kl_coef"],
+              kl_estimator=loss["kl_estimator"])
+  (run_dir / "config.json").write_text(json.dumps(flat))
+  cfg = T.configlib.load_config(str(files / "cfg.py"))
+  T.train(dataclasses.replace(cfg, iterations=7), str(run_dir), resume=True, progress=False,
+          checkpoint_every=0)
+  assert json.loads((run_dir / "config.json").read_text())["task"] == grouped["task"]
+  assert json.loads((run_dir / "config.before_step_6.json").read_text()) == flat
+  assert [r["step"] for r in records(run_dir)] == list(range(1, 8))

@@ -35,7 +35,7 @@ def small_cfg(mesh: sharding.MeshConfig) -> C.TrainConfig:
       rollout=C.RolloutConfig(prompts_per_iter=8, group_size=4, max_new_tokens=4,
                               max_prompt_len=8),
       sft=C.SFTConfig(steps=0), optim=C.OptimConfig(learning_rate=1e-3), num_minibatches=2,
-      kl_coef=0.05, mesh=mesh)
+      loss=C.LossConfig(kl_coef=0.05), mesh=mesh)
 
 
 def random_rewards(rows: int, group: int):

@@ -110,8 +110,9 @@ def test_a_new_batch_field_reaches_the_minibatch_loss_split_by_rows():
 def test_step_config_binds_the_loss_and_its_hyperparameters_once():
   """`programs.step_config` resolves the loss by name with the config's hyperparameters over
   the loss's defaults, the KL term only with kl_coef > 0, dynamic sampling's kept groups."""
-  base = C.TrainConfig(loss="grpo", eps_high=0.3, rollout=C.RolloutConfig(
-      prompts_per_iter=4, group_size=2, oversample=2), num_minibatches=2, kl_coef=0.1)
+  base = C.TrainConfig(loss=C.LossConfig(name="grpo", eps_high=0.3, kl_coef=0.1),
+                       rollout=C.RolloutConfig(prompts_per_iter=4, group_size=2, oversample=2),
+                       num_minibatches=2)
   sc = step_config(base)
   assert sc.loss.func is losses.grpo_loss
   assert sc.loss.keywords == {"eps_low": 0.2, "eps_high": 0.3,

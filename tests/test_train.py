@@ -63,8 +63,8 @@ def rolled(run):
 @pytest.mark.parametrize("loss,eps", [("gspo", (3e-4, 4e-4)), ("gspo_token", (3e-4, 4e-4)),
                                       ("grpo", (0.2, 0.27))])
 def test_one_iteration_of_each_loss(configured, rolled, loss, eps):
-  cfg = tiny_cfg(loss=loss)
-  assert (cfg.loss_kwargs()["eps_low"], cfg.loss_kwargs()["eps_high"]) == eps
+  cfg = tiny_cfg(loss=C.LossConfig(name=loss))
+  assert (cfg.loss.kwargs()["eps_low"], cfg.loss.kwargs()["eps_high"]) == eps
   run = configured(cfg)
   before = leaves(run.state.params)
   r = rolled
@@ -88,13 +88,14 @@ def test_recomputed_old_logprobs_equal_the_samplers(run, rolled):
 
 def test_grpo_alone_takes_grpo_clip_range_and_aggregation():
   cfg = configlib.apply_overrides(tiny_cfg(), ["loss=grpo"])
-  assert cfg.loss_kwargs() == {"eps_low": 0.2, "eps_high": 0.27,
+  assert cfg.loss.kwargs() == {"eps_low": 0.2, "eps_high": 0.27,
                                "aggregation": "seq-mean-token-mean"}
-  cfg = configlib.apply_overrides(cfg, ["aggregation=token-mean", "eps_high=0.28"])
-  assert cfg.loss_kwargs() == {"eps_low": 0.2, "eps_high": 0.28, "aggregation": "token-mean"}
-  assert tiny_cfg().loss_kwargs() == {"eps_low": 3e-4, "eps_high": 4e-4}
-  with pytest.raises(configlib.ConfigError, match="aggregation applies to loss='grpo'"):
-    configlib.apply_overrides(tiny_cfg(), ["aggregation=token-mean"])
+  cfg = configlib.apply_overrides(cfg, ["loss.aggregation=token-mean", "loss.eps_high=0.28"])
+  assert cfg.loss.kwargs() == {"eps_low": 0.2, "eps_high": 0.28, "aggregation": "token-mean"}
+  assert tiny_cfg().loss.kwargs() == {"eps_low": 3e-4, "eps_high": 4e-4}
+  with pytest.raises(configlib.ConfigError,
+                     match="loss.aggregation applies to loss.name='grpo'"):
+    configlib.apply_overrides(tiny_cfg(), ["loss.aggregation=token-mean"])
 
 
 def test_grpo_alone_trains_with_grpo_clip_range(run, rolled, monkeypatch):
@@ -118,7 +119,7 @@ def test_on_policy_single_minibatch_losses_give_the_same_update(configured, roll
   # One minibatch, old = current policy: GSPO, GSPO-token and GRPO share loss and gradient.
   results = []
   for loss in ("gspo", "gspo_token", "grpo"):
-    r = configured(tiny_cfg(loss=loss, num_minibatches=1))
+    r = configured(tiny_cfg(loss=C.LossConfig(name=loss), num_minibatches=1))
     new, m = r.programs.update(jax.tree.map(jnp.copy, r.state), rolled.batch,
                                random_rewards(rolled, 1))
     results.append((jax.device_get(new), float(m["loss"])))
@@ -166,7 +167,7 @@ def train_logged(*args, **kw):
 # The resume tests share one uninterrupted run with a KL term, and one resume of it: a copy
 # of its directory cut back to an earlier checkpoint (two training runs for what were four
 # tests of three runs each).
-RESUMED_CFG = tiny_cfg(iterations=4, kl_coef=0.1)
+RESUMED_CFG = tiny_cfg(iterations=4, loss=C.LossConfig(kl_coef=0.1))
 
 
 @pytest.fixture(scope="module")
@@ -226,7 +227,7 @@ def test_existing_run_without_resume_is_refused(trained, tmp_path):
 
 
 def test_config_round_trip_and_overrides():
-  cfg = tiny_cfg(loss="grpo", eps_low=0.2, eps_high=None)
+  cfg = tiny_cfg(loss=C.LossConfig(name="grpo", eps_low=0.2, eps_high=None))
   back = configlib.from_dict(C.TrainConfig, json.loads(json.dumps(configlib.to_dict(cfg))))
   assert back == cfg
   changed = configlib.apply_overrides(cfg, ["rollout.group_size=8", "model.qk_norm=false",
@@ -257,8 +258,8 @@ def test_unwritable_run_dir_fails_before_training(tmp_path):
 def test_shipped_configs_load_and_validate():
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   cfg = configlib.load_config(os.path.join(root, "configs", "addition_tiny.py"))
-  assert isinstance(cfg, C.TrainConfig) and cfg.loss == "gspo" and cfg.num_minibatches == 4
-  assert cfg.loss_kwargs() == {"eps_low": 3e-4, "eps_high": 4e-4}
+  assert isinstance(cfg, C.TrainConfig) and cfg.loss.name == "gspo" and cfg.num_minibatches == 4
+  assert cfg.loss.kwargs() == {"eps_low": 3e-4, "eps_high": 4e-4}
   assert configlib.from_dict(C.TrainConfig, configlib.to_dict(cfg)) == cfg
 
 

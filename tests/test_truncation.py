@@ -125,7 +125,7 @@ def test_valid_group_advantages_equal_those_of_the_dropped_groups():
 
 @pytest.mark.parametrize("loss,aggregation", [("gspo", None), ("grpo", "token-mean")])
 def test_masked_truncated_rows_train_the_rest_as_if_dropped(policy, loss, aggregation):
-  cfg = cfg_of(loss=loss, aggregation=aggregation, truncation="mask")
+  cfg = cfg_of(loss=C.LossConfig(name=loss, aggregation=aggregation), truncation="mask")
   rollout = hand_rollout(LENGTHS, TRUNCATED)
   batch, params, m = train_once(cfg, policy, rollout, REWARDS)
   assert np.all(np.asarray(batch.mask_BxGxT)[TRUNCATED] == 0)
@@ -136,7 +136,7 @@ def test_masked_truncated_rows_train_the_rest_as_if_dropped(policy, loss, aggreg
   keep = ~TRUNCATED
   dropped = hand_rollout(drop(LENGTHS, keep), drop(TRUNCATED, keep)).replace(
       tokens_BxGxT=jnp.asarray(drop(rollout.tokens_BxGxT, keep)))
-  dcfg = cfg_of(loss=loss, aggregation=aggregation, truncation="mask",
+  dcfg = cfg_of(loss=C.LossConfig(name=loss, aggregation=aggregation), truncation="mask",
                 rollout=C.RolloutConfig(prompts_per_iter=2, group_size=3, max_new_tokens=T,
                                         max_prompt_len=3))
   dbatch, dparams, dm = train_once(dcfg, policy, dropped, drop(REWARDS, keep))
@@ -213,8 +213,8 @@ def update_before(state, batch, rewards_BxG, *, graphdef, tx, cfg):
     logp, _ = step.policy_logprobs(params, graphdef, mb.rows, step_config(cfg))
     flat = lambda x: x.reshape(-1, x.shape[-1])
     mask = flat(mb.rows.mask_BxGxT)
-    return losses.LOSSES[cfg.loss](flat(logp), flat(mb.rows.old_logp_BxGxT),
-                                   mb.adv_bxg.reshape(-1), mask, **cfg.loss_kwargs())
+    return losses.LOSSES[cfg.loss.name](flat(logp), flat(mb.rows.old_logp_BxGxT),
+                                        mb.adv_bxg.reshape(-1), mask, **cfg.loss.kwargs())
 
   def apply_step(state_parts, mb):
     params, opt_state = state_parts
@@ -243,7 +243,7 @@ def update_before(state, batch, rewards_BxG, *, graphdef, tx, cfg):
 
 @pytest.mark.parametrize("loss", ["gspo", "grpo"])
 def test_count_is_the_update_as_before(policy, loss):
-  cfg = cfg_of(loss=loss, num_minibatches=2)
+  cfg = cfg_of(loss=C.LossConfig(name=loss), num_minibatches=2)
   assert C.TrainConfig().truncation == "count"
   graphdef, params = policy
   rollout = hand_rollout(LENGTHS, TRUNCATED)

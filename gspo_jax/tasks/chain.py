@@ -112,20 +112,20 @@ class Chain(Task):
     every solution + EOS / prompt + BOS (split digits: each digit is one token whatever the
     tokenizer, so these are lower bounds; `check_fits` checks exactly at setup)."""
     if _bad_int(digits, 1, MAX_DIGITS):
-      raise ValueError(f"task='chain' needs task_digits in [1, {MAX_DIGITS}]; got {digits!r}")
+      raise ValueError(f"task.name='chain' needs task.digits in [1, {MAX_DIGITS}]; got {digits!r}")
     if _bad_int(steps, 1, MAX_STEPS):
-      raise ValueError(f"task='chain' needs task_steps in [1, {MAX_STEPS}] (one letter per "
+      raise ValueError(f"task.name='chain' needs task.steps in [1, {MAX_STEPS}] (one letter per "
                        f"operation); got {steps!r}")
     task = Chain(digits, steps)
     need = task.solution_digits() + 1
     if need > max_new_tokens:
-      raise ValueError(f"task='chain' with task_steps={steps}, task_digits={digits} needs "
+      raise ValueError(f"task.name='chain' with task.steps={steps}, task.digits={digits} needs "
                        f"rollout.max_new_tokens >= {need} (its solutions hold {need - 1} "
                        f"digit tokens, + EOS; about {task.solution_chars() + 1} tokens with a "
                        f"task tokenizer); got rollout.max_new_tokens={max_new_tokens}")
     need = task.prompt_digits() + 1
     if need > max_prompt_len:
-      raise ValueError(f"task='chain' with task_steps={steps}, task_digits={digits} needs "
+      raise ValueError(f"task.name='chain' with task.steps={steps}, task.digits={digits} needs "
                        f"rollout.max_prompt_len >= {need} (its prompts hold {need - 1} digit "
                        f"tokens, + BOS; about {task.prompt_chars() + 1} tokens with a task "
                        f"tokenizer); got rollout.max_prompt_len={max_prompt_len}")
@@ -237,13 +237,13 @@ class Chain(Task):
     sol = max(len(tok.encode(self.demonstration(e))) for e in examples) + 1
     prompt = max(len(tok.encode(e.prompt, add_special_tokens=True)) for e in examples)
     if sol > max_new_tokens:
-      raise ValueError(f"task {self.name!r} with task_steps={self.steps}, task_digits="
+      raise ValueError(f"task {self.name!r} with task.steps={self.steps}, task.digits="
                        f"{self.digits} has solutions of up to {sol} tokens (EOS included) "
                        f"> rollout.max_new_tokens={max_new_tokens}; raise "
-                       f"rollout.max_new_tokens or lower task_steps")
+                       f"rollout.max_new_tokens or lower task.steps")
     if prompt > max_prompt_len:
-      raise ValueError(f"task {self.name!r} with task_steps={self.steps}, task_digits="
+      raise ValueError(f"task {self.name!r} with task.steps={self.steps}, task.digits="
                        f"{self.digits} has prompts of up to {prompt} tokens > "
                        f"rollout.max_prompt_len={max_prompt_len}; raise rollout.max_prompt_len "
-                       f"or lower task_steps")
+                       f"or lower task.steps")
     return sol, prompt

@@ -16,8 +16,8 @@ resumed run sees exactly the prompts an uninterrupted one would, with no extra s
     epoch e = p // N,  record = perm_e[p % N],  perm_e = permutation of N from (seed, e)
 Every process computes the same global batch (multi-host keeps its own rows of it).
 
-Held-out set: `data.heldout_file`, or the records whose stable hash (sha256 of the record's
-canonical JSON) falls below `data.heldout_fraction`: disjoint from training by construction
+Held-out set: `task.data.heldout_file`, or the records whose stable hash (sha256 of the record's
+canonical JSON) falls below `task.data.heldout_fraction`: disjoint from training by construction
 (duplicates land on the same side), never dependent on an rng.
 """
 
@@ -41,7 +41,7 @@ SOURCE = "_source"  # meta key: "file:line" of the record, for error messages
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-  """Where the prompts come from and how they are shown to the model (task="dataset")."""
+  """Where the prompts come from and how they are shown to the model (task.name="dataset")."""
   train_file: str = ""              # JSONL, one object per line
   heldout_file: str = ""            # JSONL; "" = split train_file by heldout_fraction
   heldout_fraction: float = 0.0     # of train_file's records, by stable hash
@@ -54,13 +54,15 @@ class DataConfig:
 
   def __post_init__(self):
     if not 0.0 <= self.heldout_fraction < 1.0:
-      raise ValueError(f"data.heldout_fraction must lie in [0, 1); got {self.heldout_fraction}")
+      raise ValueError(f"task.data.heldout_fraction must lie in [0, 1); got "
+                       f"{self.heldout_fraction}")
     if self.heldout_file and self.heldout_fraction:
-      raise ValueError("data.heldout_file and data.heldout_fraction are alternatives; set one")
+      raise ValueError("task.data.heldout_file and task.data.heldout_fraction are "
+                       "alternatives; set one")
     if not self.prompt_field:
-      raise ValueError("data.prompt_field must name the prompt's JSON field")
+      raise ValueError("task.data.prompt_field must name the prompt's JSON field")
     if self.slow_reward_s < 0:
-      raise ValueError(f"data.slow_reward_s must be >= 0; got {self.slow_reward_s}")
+      raise ValueError(f"task.data.slow_reward_s must be >= 0; got {self.slow_reward_s}")
 
 
 # ------------------------------------------------------------------------------ records
@@ -109,7 +111,7 @@ def is_heldout(record: dict, fraction: float) -> bool:
 def split_records(cfg: DataConfig) -> tuple[list[dict], list[dict]]:
   """(train, heldout) records for `cfg`; heldout may be empty (no held-out set configured)."""
   if not cfg.train_file:
-    raise ValueError("task='dataset' needs data.train_file (a JSONL file of prompts)")
+    raise ValueError("task.name='dataset' needs task.data.train_file (a JSONL file of prompts)")
   train = read_jsonl(cfg.train_file, cfg.prompt_field)
   if cfg.heldout_file:
     return train, read_jsonl(cfg.heldout_file, cfg.prompt_field)
@@ -118,7 +120,7 @@ def split_records(cfg: DataConfig) -> tuple[list[dict], list[dict]]:
   held = [r for r in train if is_heldout(r, cfg.heldout_fraction)]
   train = [r for r in train if not is_heldout(r, cfg.heldout_fraction)]
   if not train or not held:
-    raise ValueError(f"data.heldout_fraction={cfg.heldout_fraction} leaves the "
+    raise ValueError(f"task.data.heldout_fraction={cfg.heldout_fraction} leaves the "
                      f"{'train' if not train else 'held-out'} split of {cfg.train_file!r} empty")
   return train, held
 
@@ -229,7 +231,7 @@ class DatasetTask(Task):
                   log: Callable[[str], None] = print
                   ) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
     """(rewards_R float32, correct_R bool, {"reward/<name>": values_R float64}) for the
-    rows: the weighted sum of the rewards, the first one >= data.correct_threshold, and
+    rows: the weighted sum of the rewards, the first one >= task.data.correct_threshold, and
     each reward unweighted."""
     prompts = [e.meta[self.cfg.prompt_field] for e in examples]
     fields = {k: [e.meta.get(k) for e in examples] for k in self.fields}

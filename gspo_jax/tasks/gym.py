@@ -1,9 +1,9 @@
 """reasoning-gym's procedural tasks (chain_sum, basic_arithmetic, countdown, ...) as a task.
 
-    python -m gspo_jax.train --config configs/smollm2_gym.py --set gym.name=countdown \\
-        --set 'gym.kwargs={"min_numbers": 3, "max_numbers": 4}'
+    python -m gspo_jax.train --config configs/smollm2_gym.py --set task.gym.name=countdown \\
+        --set 'task.gym.kwargs={"min_numbers": 3, "max_numbers": 4}'
 
-Why a config group (`task="gym"`, `gym.*`) rather than an export to JSONL: a
+Why a config group (`task.name="gym"`, `task.gym.*`) rather than an export to JSONL: a
 reasoning-gym problem is a pure function of (dataset, its settings, seed, index), so the
 run generates its problems where it starts. No file has to be written, kept in step with
 the config or put on a filesystem every host of a pod shares (each host generates the same
@@ -16,15 +16,15 @@ prompt-length check, held-out evaluation and the one scoring path
 (`gspo_jax.rewards.score_batch`) are shared, not copied.
 
 Records: {prompt: the question, answer: reasoning-gym's oracle answer, "metadata": its
-metadata} (data.prompt_field / data.answer_field name the first two). Training problems
-are items 0 ... gym.size - 1 of the dataset at gym.seed, shuffled per epoch by the run's
-`seed` as for a dataset. `gym.kwargs` is a JSON object of the dataset's own settings
+metadata} (task.data.prompt_field / task.data.answer_field name the first two). Training problems
+are items 0 ... task.gym.size - 1 of the dataset at task.gym.seed, shuffled per epoch by the run's
+`seed` as for a dataset. `task.gym.kwargs` is a JSON object of the dataset's own settings
 (its difficulty: chain_sum's min_terms / max_terms / min_digits / max_digits, countdown's
 min_numbers / max_numbers / min_target / ...); unknown keys are refused with close matches.
 
-Held-out set: gym.heldout_size items of the same dataset at gym.heldout_seed (default
-gym.seed + 2**31). reasoning-gym draws item i from Random(seed + i), so two seeds closer
-than gym.size share items (seed + 1 repeats all but one training problem); 2**31 apart
+Held-out set: task.gym.heldout_size items of the same dataset at task.gym.heldout_seed (default
+task.gym.seed + 2**31). reasoning-gym draws item i from Random(seed + i), so two seeds closer
+than task.gym.size share items (seed + 1 repeats all but one training problem); 2**31 apart
 they share none. Different draws can still write the same question (chain_sum with two
 one-digit terms has 200 distinct problems), so held-out problems whose question text is
 also a training question are dropped, and the run says how many.
@@ -35,11 +35,11 @@ and </answer>; the answer is the text of the last such tag (reasoning-gym's own
 `score_answer(answer, entry)` in [0, 1]. Some verifiers give partial credit: chain_sum
 len(oracle) / len(answer) when the oracle is a substring of a wrong answer ("14" for 4:
 0.5), countdown 0.05 for a wrong expression and 0.01 for none. A row is correct (accuracy,
-pass@k) when the score is >= data.correct_threshold (1.0). reasoning-gym's questions do not
+pass@k) when the score is >= task.data.correct_threshold (1.0). reasoning-gym's questions do not
 ask for the tag, its system prompts do (`reasoning_gym.utils.SYSTEM_PROMPTS`): set one as
-data.system_prompt (configs/smollm2_gym.py uses its "direct" prompt). `reward` adds terms
+task.data.system_prompt (configs/smollm2_gym.py uses its "direct" prompt). `reward` adds terms
 after the verifier (e.g. format_reward*0.1); each is logged as reward/<name>, the verifier
-as reward/<gym.name>.
+as reward/<task.gym.name>.
 
 reasoning-gym is an optional extra (`pip install reasoning-gym`), imported when the task
 is built (about 2 s: it imports all its datasets). The name is checked when the config is
@@ -88,7 +88,7 @@ _OWN = ("seed", "size")  # dataset settings that have a gym.* field of their own
 
 @dataclasses.dataclass(frozen=True)
 class GymConfig:
-  """Which reasoning-gym dataset, how many problems, and its own settings (task="gym")."""
+  """Which reasoning-gym dataset, how many problems, and its own settings (task.name="gym")."""
   name: str = ""                    # a registered dataset, e.g. chain_sum, countdown
   size: int = 1000                  # training problems: items 0 ... size - 1
   seed: int = 0                     # the dataset's seed (the run's `seed` orders the data)
@@ -98,27 +98,27 @@ class GymConfig:
 
   def __post_init__(self):
     if self.size < 1 or self.heldout_size < 1:
-      raise ValueError(f"gym.size ({self.size}) and gym.heldout_size ({self.heldout_size}) "
-                       "must be >= 1")
+      raise ValueError(f"task.gym.size ({self.size}) and task.gym.heldout_size "
+                       f"({self.heldout_size}) must be >= 1")
     self.settings()  # the JSON is checked here; its keys against the dataset at setup
     if self.name:
       check_name(self.name)
 
   def settings(self) -> dict:
-    """gym.kwargs as a dict; ValueError when it is not a JSON object or sets seed / size."""
+    """task.gym.kwargs as a dict; ValueError when it is not a JSON object or sets seed / size."""
     if not self.kwargs.strip():
       return {}
     try:
       out = json.loads(self.kwargs)
     except json.JSONDecodeError as e:
-      raise ValueError(f"gym.kwargs must be a JSON object, e.g. '{{\"max_terms\": 3}}'; "
+      raise ValueError(f"task.gym.kwargs must be a JSON object, e.g. '{{\"max_terms\": 3}}'; "
                        f"got {self.kwargs!r} ({e.msg})") from None
     if not isinstance(out, dict):
-      raise ValueError(f"gym.kwargs must be a JSON object; got {self.kwargs!r} (a "
+      raise ValueError(f"task.gym.kwargs must be a JSON object; got {self.kwargs!r} (a "
                        f"{type(out).__name__})")
     own = [k for k in _OWN if k in out]
     if own:
-      raise ValueError(f"gym.kwargs sets {own}: use gym.{own[0]} instead")
+      raise ValueError(f"task.gym.kwargs sets {own}: use task.gym.{own[0]} instead")
     return out
 
   @property
@@ -127,19 +127,21 @@ class GymConfig:
 
 
 def check_settings(task: str, gym: GymConfig, data: DataConfig) -> None:
-  """TrainConfig's checks of the gym group: task="gym" needs gym.name; gym.* applies to it
-  alone; its held-out set is gym's own, never data.heldout_file / heldout_fraction."""
+  """The task group's checks of gym: task.name="gym" needs task.gym.name; task.gym.* applies
+  to it alone; its held-out set is gym's own, never task.data.heldout_file /
+  heldout_fraction."""
   if task != "gym":
     if gym != GymConfig():
-      raise ValueError(f"gym.* applies to task='gym'; task is {task!r}")
+      raise ValueError(f"task.gym.* applies to task.name='gym'; task.name is {task!r}")
     return
   if not gym.name:
-    raise ValueError("task='gym' needs gym.name, a reasoning-gym dataset "
-                     "(e.g. gym.name=chain_sum)")
+    raise ValueError("task.name='gym' needs task.gym.name, a reasoning-gym dataset "
+                     "(e.g. task.gym.name=chain_sum)")
   if data.train_file or data.heldout_file or data.heldout_fraction:
-    raise ValueError("task='gym' generates its problems and its held-out set (gym.size, "
-                     "gym.heldout_size, gym.heldout_seed); data.train_file, "
-                     "data.heldout_file and data.heldout_fraction apply to task='dataset'")
+    raise ValueError("task.name='gym' generates its problems and its held-out set (task.gym.size, "
+                     "task.gym.heldout_size, task.gym.heldout_seed); task.data.train_file, "
+                     "task.data.heldout_file and task.data.heldout_fraction apply to "
+                     "task.name='dataset'")
 
 
 def _refuse(what: str, value: str, known, where: str) -> ValueError:
@@ -149,14 +151,14 @@ def _refuse(what: str, value: str, known, where: str) -> ValueError:
 
 
 def check_name(name: str) -> None:
-  """ValueError naming gym.name, with close matches, for a name no dataset has."""
+  """ValueError naming task.gym.name, with close matches, for a name no dataset has."""
   if name in NAMES:
     return
   known, where = NAMES, f"a reasoning-gym {TESTED_VERSION} dataset"
   if installed_version() not in (None, TESTED_VERSION):  # another version: ask it (~2 s)
     known, where = set(import_reasoning_gym(name).factory.DATASETS), "a reasoning-gym dataset"
   if name not in known:
-    raise _refuse("gym.name", name, known, where)
+    raise _refuse("task.gym.name", name, known, where)
 
 
 def installed_version() -> str | None:
@@ -173,29 +175,29 @@ def import_reasoning_gym(name: str):
   try:
     import reasoning_gym
   except ImportError as e:
-    raise ImportError(f"task='gym' (gym.name={name!r}) needs the optional package "
+    raise ImportError(f"task.name='gym' (task.gym.name={name!r}) needs the optional package "
                       f"reasoning-gym: pip install reasoning-gym=={TESTED_VERSION} (the "
                       "version tested here)") from e
   return reasoning_gym
 
 
 def make_dataset(cfg: GymConfig, seed: int, size: int):
-  """reasoning-gym's dataset cfg.name with gym.kwargs, at `seed` with `size` items.
-  ValueError naming gym.kwargs for a setting the dataset lacks or refuses."""
+  """reasoning-gym's dataset cfg.name with task.gym.kwargs, at `seed` with `size` items.
+  ValueError naming task.gym.kwargs for a setting the dataset lacks or refuses."""
   rg = import_reasoning_gym(cfg.name)
   if cfg.name not in rg.factory.DATASETS:
-    raise _refuse("gym.name", cfg.name, rg.factory.DATASETS, "a reasoning-gym dataset")
+    raise _refuse("task.gym.name", cfg.name, rg.factory.DATASETS, "a reasoning-gym dataset")
   config_cls = rg.factory.DATASETS[cfg.name][1]
   fields = {f.name for f in dataclasses.fields(config_cls)} - set(_OWN)
   settings = cfg.settings()
   for key in settings:
     if key not in fields:
-      raise _refuse("gym.kwargs:", key, fields, f"a setting of {cfg.name} "
+      raise _refuse("task.gym.kwargs:", key, fields, f"a setting of {cfg.name} "
                     f"({config_cls.__name__}: {', '.join(sorted(fields))})")
   try:
     return rg.create_dataset(cfg.name, seed=seed, size=size, **settings)
   except (AssertionError, TypeError, ValueError) as e:  # its config's validate() asserts
-    raise ValueError(f"gym.kwargs={cfg.kwargs!r} refused by reasoning-gym's {cfg.name}: "
+    raise ValueError(f"task.gym.kwargs={cfg.kwargs!r} refused by reasoning-gym's {cfg.name}: "
                      f"{e}") from e
 
 
@@ -258,8 +260,8 @@ class GymTask(DatasetTask):
           f"{cfg.size}); {len(heldout)} held-out problems left")
     if not heldout:
       raise ValueError(f"gym: every held-out problem of {cfg.name} is also a training one "
-                       "(the settings allow few distinct problems): lower gym.size or widen "
-                       "gym.kwargs")
+                       "(the settings allow few distinct problems): lower task.gym.size or widen "
+                       "task.gym.kwargs")
     rewards = [verifier(train_set, cfg.name, data)]
     for r in R.load_rewards(extra) if extra else []:
       rewards.append(r if r.name != cfg.name else dataclasses.replace(r, name=f"{r.name}_2"))
