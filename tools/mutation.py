@@ -1,10 +1,10 @@
 """Mutation testing of the core modules: curated one-line bugs, each applied alone to a copy
 of the tree and run against the tests that should catch it.
 
-    nice -n 10 python tests/mutation.py             # every mutant; writes the report
-    python tests/mutation.py --list                 # the mutants and their tests
-    python tests/mutation.py --only guard_loss_only --only rng_no_step
-    python tests/mutation.py --check                # every snippet occurs exactly once
+    nice -n 10 python tools/mutation.py             # every mutant; writes the report
+    python tools/mutation.py --list                 # the mutants and their tests
+    python tools/mutation.py --only guard_loss_only --only rng_no_step
+    python tools/mutation.py --check                # every snippet occurs exactly once
 
 A mutant is (name, file, the exact original snippet, its replacement, the tests that cover
 it, optionally "equivalent: why"). The script copies the repository to a temporary
@@ -16,7 +16,7 @@ must exist (`check`; tests/test_mutation_list.py runs it in the normal suite), s
 cannot silently stop applying when the code changes. Equivalent mutants (no test can tell
 them from the real code) are listed with their reason and not run (`--run-equivalent`
 runs them too). The report (counts, the command, its run time, one row per mutant) goes to
-tests/mutation_report.md and tests/mutation_report.json.
+tools/mutation_report.md and tools/mutation_report.json.
 
 Why a script and not mutmut or cosmic-ray: those generate every operator swap of every
 line (thousands here, most in messages and argument checks, many equivalent) and run a
@@ -41,8 +41,8 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-REPORT_MD = os.path.join(ROOT, "tests", "mutation_report.md")
-REPORT_JSON = os.path.join(ROOT, "tests", "mutation_report.json")
+REPORT_MD = os.path.join(ROOT, "tools", "mutation_report.md")
+REPORT_JSON = os.path.join(ROOT, "tools", "mutation_report.json")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -482,9 +482,9 @@ def write_report(results, equivalent, *, command: str, seconds: float, baseline_
       f"**{summary['mutants']} mutants: {killed} killed, {len(survived)} survived, "
       f"{len(equivalent)} equivalent (not run)**, in {seconds / 60:.1f} min "
       f"(of which {baseline_s / 60:.1f} min the unmutated baseline of the same tests).", "",
-      "Each mutant is one edit of one file (`tests/mutation.py` lists the original and the "
+      "Each mutant is one edit of one file (`tools/mutation.py` lists the original and the "
       "replacement), run against the tests named, `pytest -x -q`. JSON: "
-      "`tests/mutation_report.json`.", "",
+      "`tools/mutation_report.json`.", "",
       "| mutant | file | the bug | status | s | tests |", "|---|---|---|---|---|---|"]
   for r in results:
     tests = ", ".join(t.replace("tests/", "") for t in r["tests"])
@@ -529,8 +529,8 @@ def main(argv=None) -> int:
   to_run = [m for m in chosen if args.run_equivalent or args.only or not m.equivalent]
   equivalent = [{"name": m.name, "file": m.file, "what": m.what, "equivalent": m.equivalent,
                  "tests": list(m.tests)} for m in chosen if m not in to_run]
-  command = " ".join(["nice -n 10 python tests/mutation.py", *sys.argv[1:]]) if argv is None \
-      else "python tests/mutation.py " + " ".join(argv)
+  command = " ".join(["nice -n 10 python tools/mutation.py", *sys.argv[1:]]) if argv is None \
+      else "python tools/mutation.py " + " ".join(argv)
   load0 = os.getloadavg()[0]
   t0 = time.perf_counter()
   with tempfile.TemporaryDirectory(prefix="gspo_mutation_") as tmp:
