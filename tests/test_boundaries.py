@@ -84,6 +84,16 @@ def test_clipped_surrogate_tie_is_not_clipped():
   np.testing.assert_array_equal(s.clipped_low, [False, False])
 
 
+def test_clipped_surrogate_zero_advantage_is_never_clipped():
+  # A = 0 is on the boundary of both sign conditions (A > 0 clips above, A < 0 below): it is
+  # neither, so the clip fractions do not count it whatever its ratio.
+  s = L.clipped_surrogate(jnp.log(jnp.asarray([3.0, 0.25])), jnp.zeros(2), eps_low=0.2,
+                          eps_high=0.2)
+  np.testing.assert_array_equal(s.clipped_high, [False, False])
+  np.testing.assert_array_equal(s.clipped_low, [False, False])
+  np.testing.assert_array_equal(s.objective, [0.0, 0.0])
+
+
 def test_truncated_weight_surrogate_bounds_from_both_sides():
   # CISPO's weight clip(r, 1 - eps_low, 1 + eps_high) = clip(r, 0.8, 1.2): flagged and
   # truncated just outside, untouched just inside, whatever the sign of A.
