@@ -5,7 +5,7 @@ clip at 1.2), so moving one by 10%, or flipping a strict comparison, passed the 
 each bound is probed with a value just inside and just outside it, a relative distance
 `NEAR` of the bound's own scale (2%: well inside a 10% move, well outside float32 rounding
 for the paper's eps = 3e-4, spec section 11), and, where the convention matters, exactly on
-it. Expectations are derived by hand from the paper / docs/GSPO_SPEC conventions, stated
+it. Expectations are derived by hand from the paper's and GSPO_SPEC.md's conventions, stated
 next to each case. Organised by module.
 """
 
@@ -63,7 +63,7 @@ def _probe(eps_low, eps_high):
 
 @pytest.mark.parametrize("eps_low,eps_high", [(3e-4, 4e-4), (0.2, 0.27)])
 def test_clipped_surrogate_bounds_from_both_sides(eps_low, eps_high):
-  log_r, adv, live = _probe(eps_low, eps_high)
+  log_r, adv, _ = _probe(eps_low, eps_high)
   s = L.clipped_surrogate(jnp.asarray(log_r, jnp.float32), jnp.asarray(adv, jnp.float32),
                           eps_low=eps_low, eps_high=eps_high)
   np.testing.assert_array_equal(s.clipped_high, [0, 1, 0, 0, 0, 0])
