@@ -1,4 +1,4 @@
-"""Contracts the rest of the suite let slip: tests/mutation.py found a one-line bug in each
+"""Contracts the rest of the suite let slip: tools/mutation.py found a one-line bug in each
 that every other test passed. Which log-probs become pi_old (dense and MoE with tracked
 routing), the sign of the KL term, the direction of the cold start's loss, and the
 distribution the sampler's log-probs describe.

@@ -1,4 +1,4 @@
-"""The curated mutant list of tests/mutation.py stays applicable: every original snippet
+"""The curated mutant list of tools/mutation.py stays applicable: every original snippet
 occurs exactly once in its file and every test it names exists. Cheap (reads files, runs no
 pytest subprocess), so a refactor that moves a mutated line fails here, not silently in the
 next mutation run."""
@@ -12,7 +12,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def mutation():
-  spec = importlib.util.spec_from_file_location("mutation", os.path.join(ROOT, "tests",
+  # Loaded by path: tools/ is not a package and the tool is not part of gspo_jax.
+  spec = importlib.util.spec_from_file_location("mutation", os.path.join(ROOT, "tools",
                                                                          "mutation.py"))
   module = importlib.util.module_from_spec(spec)
   sys.modules[spec.name] = module  # dataclasses resolve the module's annotations there

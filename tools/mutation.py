@@ -1,10 +1,10 @@
 """Mutation testing of the core modules: curated one-line bugs, each applied alone to a copy
 of the tree and run against the tests that should catch it.
 
-    nice -n 10 python tests/mutation.py             # every mutant; writes the report
-    python tests/mutation.py --list                 # the mutants and their tests
-    python tests/mutation.py --only guard_loss_only --only rng_no_step
-    python tests/mutation.py --check                # every snippet occurs exactly once
+    nice -n 10 python tools/mutation.py             # every mutant; writes the report
+    python tools/mutation.py --list                 # the mutants and their tests
+    python tools/mutation.py --only guard_loss_only --only rng_no_step
+    python tools/mutation.py --check                # every snippet occurs exactly once
 
 A mutant is (name, file, the exact original snippet, its replacement, the tests that cover
 it, optionally "equivalent: why"). The script copies the repository to a temporary
@@ -16,7 +16,7 @@ must exist (`check`; tests/test_mutation_list.py runs it in the normal suite), s
 cannot silently stop applying when the code changes. Equivalent mutants (no test can tell
 them from the real code) are listed with their reason and not run (`--run-equivalent`
 runs them too). The report (counts, the command, its run time, one row per mutant) goes to
-tests/mutation_report.md and tests/mutation_report.json.
+tools/mutation_report.md and tools/mutation_report.json.
 
 Why a script and not mutmut or cosmic-ray: those generate every operator swap of every
 line (thousands here, most in messages and argument checks, many equivalent) and run a
@@ -41,8 +41,8 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-REPORT_MD = os.path.join(ROOT, "tests", "mutation_report.md")
-REPORT_JSON = os.path.join(ROOT, "tests", "mutation_report.json")
+REPORT_MD = os.path.join(ROOT, "tools", "mutation_report.md")
+REPORT_JSON = os.path.join(ROOT, "tools", "mutation_report.json")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +70,7 @@ SAMPLING = "tests/test_sampling.py::"
 SHARED = "tests/test_shared_prefix.py::"
 TRAIN = "tests/test_train.py::"
 CONTRACTS = "tests/test_contracts.py::"
+BOUNDS = "tests/test_boundaries.py::"
 
 MUTANTS: list[Mutant] = [
     # -- rng ------------------------------------------------------------------------------
@@ -352,6 +353,65 @@ MUTANTS: list[Mutant] = [
     M("pass_at_k_off_by_one", "gspo_jax/evaluate.py",
       "np.arange(n - ci + 1, n + 1)", "np.arange(n - ci, n + 1)",
       "tests/test_evaluate.py::test_pass_at_k_by_hand", "pass@k's product over one term too many"),
+    # -- bounds: each moved by 10% or its comparison flipped (tests/test_boundaries.py) ----
+    M("clip_high_bound_moved", "gspo_jax/loss_blocks.py",
+      "clipped_high = (adv > 0) & (ratio > 1 + eps_high)",
+      "clipped_high = (adv > 0) & (ratio > 1 + 1.1 * eps_high)",
+      BOUNDS + "test_clipped_surrogate_bounds_from_both_sides",
+      "the upper clip sits 10% further out than 1 + eps_high"),
+    M("clip_low_tie_clipped", "gspo_jax/loss_blocks.py",
+      "clipped_low = (adv < 0) & (ratio < 1 - eps_low)",
+      "clipped_low = (adv < 0) & (ratio <= 1 - eps_low)",
+      BOUNDS + "test_clipped_surrogate_tie_is_not_clipped",
+      "a ratio exactly on 1 - eps_low counts as clipped"),
+    M("gspo_default_eps_high_moved", "gspo_jax/losses.py",
+      '"gspo": {"eps_low": 3e-4, "eps_high": 4e-4}',
+      '"gspo": {"eps_low": 3e-4, "eps_high": 4.4e-4}',
+      BOUNDS + "test_default_clip_ranges_from_both_sides",
+      "GSPO's default eps_high 10% off the paper's 4e-4"),
+    M("grpo_default_eps_low_moved", "gspo_jax/losses.py",
+      '"grpo": {"eps_low": 0.2, "eps_high": 0.27,',
+      '"grpo": {"eps_low": 0.18, "eps_high": 0.27,',
+      BOUNDS + "test_default_clip_ranges_from_both_sides",
+      "GRPO's default eps_low 10% off the paper's 0.2"),
+    M("rollout_correction_threshold_moved", "gspo_jax/rollout_correction.py",
+      "threshold: float = 2.0            # C", "threshold: float = 2.2            # C",
+      BOUNDS + "test_truncate_at_the_default_threshold_from_both_sides",
+      "the config's default truncation C 10% above 2"),
+    M("rollout_correction_mask_drops_threshold", "gspo_jax/rollout_correction.py",
+      "out = m & ((log_weight > log_high) |", "out = m & ((log_weight >= log_high) |",
+      BOUNDS + "test_mask_keeps_the_closed_interval_from_both_sides",
+      "mode=mask drops a weight exactly at the threshold (the interval is closed)"),
+    M("off_policy_mask_drops_delta", "gspo_jax/rollout_correction.py",
+      "(d_B > threshold)", "(d_B >= threshold)",
+      BOUNDS + "test_off_policy_sequence_mask_delta_from_both_sides",
+      "the off-policy mask drops a response whose drift equals delta"),
+    M("overlong_cache_moved", "gspo_jax/lengths.py",
+      "jnp.clip(-(n - (max_new_tokens - cache)) / cache, -1.0, 0.0)",
+      "jnp.clip(-(n - (max_new_tokens - 1.1 * cache)) / cache, -1.0, 0.0)",
+      BOUNDS + "test_overlong_penalty_starts_after_the_cache_and_reaches_minus_one_at_max",
+      "the overlong penalty starts 10% of the cache early"),
+    M("grad_clip_default_moved", "gspo_jax/optim.py",
+      "grad_clip: float = 1.0 ", "grad_clip: float = 1.1 ",
+      BOUNDS + "test_grad_norm_clip_default_from_both_sides",
+      "the default global-norm clip 10% above 1"),
+    M("top_k_drops_ties", "gspo_jax/sampling.py",
+      "jnp.where(logits_NxV >= kth, logits_NxV, neg)",
+      "jnp.where(logits_NxV > kth, logits_NxV, neg)",
+      BOUNDS + "test_top_k_keeps_ties_with_the_kth_and_vocab_limit_is_exclusive",
+      "top-k drops the k-th token itself (and its ties)"),
+    M("adv_eps_moved", "gspo_jax/advantages.py",
+      "def group_advantages(rewards_BxG: Array, *, eps: float = 1e-6,",
+      "def group_advantages(rewards_BxG: Array, *, eps: float = 1.1e-6,",
+      BOUNDS + "test_std_epsilon_default",
+      "the std epsilon 10% off verl's 1e-6"),
+    M("informative_one_valid_response", "gspo_jax/dynamic.py",
+      "(jnp.sum(valid, axis=1) >= 2)", "(jnp.sum(valid, axis=1) >= 1)",
+      BOUNDS + "test_informative_needs_two_valid_responses_and_any_difference",
+      "a group with one valid response counts as informative",
+      equivalent="one valid response is its own max and min (hi == lo), none gives "
+      "hi = -inf < lo = inf: hi > lo is already False for fewer than 2, so the count test "
+      "never changes the result"),
     # -- checkpoint and resume ------------------------------------------------------------
     M("checkpoint_key_not_restored", "gspo_jax/checkpoint.py",
       "return jax.random.wrap_key_data(x)", "return jax.random.key(0)",
@@ -482,9 +542,9 @@ def write_report(results, equivalent, *, command: str, seconds: float, baseline_
       f"**{summary['mutants']} mutants: {killed} killed, {len(survived)} survived, "
       f"{len(equivalent)} equivalent (not run)**, in {seconds / 60:.1f} min "
       f"(of which {baseline_s / 60:.1f} min the unmutated baseline of the same tests).", "",
-      "Each mutant is one edit of one file (`tests/mutation.py` lists the original and the "
+      "Each mutant is one edit of one file (`tools/mutation.py` lists the original and the "
       "replacement), run against the tests named, `pytest -x -q`. JSON: "
-      "`tests/mutation_report.json`.", "",
+      "`tools/mutation_report.json`.", "",
       "| mutant | file | the bug | status | s | tests |", "|---|---|---|---|---|---|"]
   for r in results:
     tests = ", ".join(t.replace("tests/", "") for t in r["tests"])
@@ -529,8 +589,8 @@ def main(argv=None) -> int:
   to_run = [m for m in chosen if args.run_equivalent or args.only or not m.equivalent]
   equivalent = [{"name": m.name, "file": m.file, "what": m.what, "equivalent": m.equivalent,
                  "tests": list(m.tests)} for m in chosen if m not in to_run]
-  command = " ".join(["nice -n 10 python tests/mutation.py", *sys.argv[1:]]) if argv is None \
-      else "python tests/mutation.py " + " ".join(argv)
+  command = " ".join(["nice -n 10 python tools/mutation.py", *sys.argv[1:]]) if argv is None \
+      else "python tools/mutation.py " + " ".join(argv)
   load0 = os.getloadavg()[0]
   t0 = time.perf_counter()
   with tempfile.TemporaryDirectory(prefix="gspo_mutation_") as tmp:
