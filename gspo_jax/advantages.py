@@ -1,7 +1,8 @@
 """Group-normalised advantages (GRPO / GSPO, paper Eq. 6), and their per-turn form for
 multi-turn episodes (`turn_advantages`, per-token credit for GSPO-token, paper Eq. 13).
 
-Legend: B = prompts, G = responses per prompt (the group), K = turns, T = tokens.
+Shapes: the package legend (docs/shapes.md); U turns (`turn_rewards_BxGxK`, a
+public name, keeps K for turns).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Live-row compaction for the group sampler (`SamplerConfig.compact_rows`).
 
-Legend: B prompts, G responses per prompt, R = B*G rows, N rows of a compacted stage,
-P prompt positions, T response positions, V vocabulary, K experts per token.
+Shapes: the package legend (docs/shapes.md); n (this module's own) the rows
+of a compacted stage.
 
 A decode step costs a fixed part plus a part per row, and the sampler's while loop keeps
 decoding rows that have already ended until the longest one ends. With `compact_rows = L`,

@@ -13,8 +13,8 @@ rollout policy, score them, group-normalise the rewards (Eq. 6), record the roll
 log-probs as pi_old, then split the B*G responses into minibatches (4 by default) and
 take one optax step per minibatch, so all but the first are off-policy.
 
-Legend: B prompts per iteration, G responses per prompt, T max response tokens,
-V vocabulary, P prompts in the task, M responses in a minibatch.
+Shapes: the package legend (docs/shapes.md); n the prompts in the task
+(lowercase: this module's own), R the responses of a minibatch, A the answer's digits and EOS.
 
     python -m gspo_jax.demo --config configs/demo.py [--set loss=grpo --set iterations=80]
 """

@@ -11,8 +11,8 @@ program, one prepare program) and the update keeps exactly B groups (one update 
 
 i.e. the informative groups first, in sampling order, then, if fewer than B are
 informative, the degenerate groups in sampling order to fill the batch (they keep their
-advantage of exactly 0 and are counted in `dynamic_fill`). Legend: B_s groups sampled
-(`Bs` in names), B kept, G responses per group.
+advantage of exactly 0 and are counted in `dynamic_fill`). Shapes: the package legend
+(docs/shapes.md); B_s groups sampled (`Bs` in names), B kept.
 
 Where it runs: inside the update program, on device. The rewards are scored on the host,
 but they go to the device for the update anyway, and selecting there keeps the prepare

@@ -1,6 +1,8 @@
 """Per-token log-probabilities of given tokens, in float32 (or wider).
 
-Legend: B = rows (any leading shape), T = tokens, D = model width, V = vocabulary.
+Shapes: the package legend (docs/shapes.md), read as in the loss library: B counts rows
+(any leading shape; R in the legend), T tokens; c chunks and k a chunk's positions (this
+module's own).
 
 `token_logprobs` takes logits. `token_logprobs_from_hidden` takes the final hidden
 states and the unembedding matrix and never materialises the full B x T x V float32

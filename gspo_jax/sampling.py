@@ -1,7 +1,6 @@
 """In-graph group sampler: G responses per prompt in one compiled program.
 
-Legend: B prompts, G responses per prompt, P prompt positions, T response positions,
-V vocabulary, D hidden.
+Shapes: the package legend (docs/shapes.md).
 
 Layout (shared with `teacher_forcing.response_logprobs`, which the trainer uses): prompts are
 right-padded to P with `prompt_lens_B` valid tokens; prompt token p sits at position p,

@@ -1,7 +1,6 @@
 """The train step as pure functions: pi_old (`prepare`), then minibatch updates (`update`).
 
-Legend: B prompts per iteration, G responses per prompt, P prompt tokens, T response
-tokens, K experts chosen per token, S = P + T. A minibatch holds `b` prompts with `g` rows
+Shapes: the package legend (docs/shapes.md). A minibatch holds `b` prompts with `g` rows
 each: b = B / num_minibatches and g = G when `share_prompts` keeps groups whole, else
 b = B*G / num_minibatches single rows (g = 1) drawn from any group.
 

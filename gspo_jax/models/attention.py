@@ -1,7 +1,8 @@
 """Grouped-query attention with optional per-head q/k RMSNorm (Qwen3) and RoPE.
 
-Legend: B rows, G responses sharing one prompt, S query positions, K key positions,
-D hidden, N query heads, C kv heads, R = N / C query heads per kv head, H head_dim.
+Shapes: the package legend (docs/shapes.md): B prompts (rows when G = 1), G
+responses sharing one prompt, S query positions, J key positions, N query heads, C kv heads,
+Q = N / C query heads per kv head; n the queries of one chunk.
 
 Keys come in up to two segments so that G responses can share one prompt's KV cache
 without copying it: a *shared* segment with one entry per prompt (B, K, C, H) and an

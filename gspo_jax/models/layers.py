@@ -3,6 +3,8 @@
 Logical axis names (mapped to mesh axes by one rules table, see the sharding issue):
   vocab, embed (the residual width), heads, kv_heads, head_dim, mlp, expert.
 Each parameter stores its names as Variable metadata `logical_axes`.
+
+Shapes: the package legend (docs/shapes.md); f (this module's own) the H/2 rotary frequencies.
 """
 
 from __future__ import annotations

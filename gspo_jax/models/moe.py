@@ -1,7 +1,7 @@
 """Mixture-of-experts feed-forward block, exactly as Hugging Face Qwen3-MoE (dropless, top-k).
 
-Legend: B batch, S sequence, D hidden (residual width), E experts, K experts per token,
-N = B*S tokens, A = N*K token-to-expert assignments, M = moe_mlp_dim.
+Shapes: the package legend (docs/shapes.md) (B the model's leading axis);
+this module's own: n = B*S tokens, a = n*K token-to-expert assignments.
 
   logits_NxE = x_NxD @ router_DxE                      (compute dtype, no bias)
   probs_NxE  = softmax(float32(logits)) over ALL E experts   (float64 in float64 runs)

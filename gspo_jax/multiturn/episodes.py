@@ -1,8 +1,8 @@
 """The host side of multi-turn episodes: between the sampler's compiled turns, decode each
 finished turn, ask its environment, tokenize the observations, and resume.
 
-Legend: B prompts, G episodes per prompt, T episode token budget, O observation slots,
-K = max_turns.
+Shapes: the package legend (docs/shapes.md); G counts episodes, T is the
+episode token budget, U = max_turns (`turn_rewards_BxGxK` keeps K for turns).
 
 Outcomes, all counted (`EpisodeResult.counts`), none silent:
   * the model ends a turn at EOS, or the budget T cuts it, or it is the K-th turn: the
