@@ -322,12 +322,12 @@ def split_minibatches(key: Array, batch: Batch, adv_BxG: Array, cfg: StepConfig,
   return jax.tree_util.tree_map_with_path(split, whole)
 
 
-def constrain(x_MxN: Array, mesh: Mesh | None) -> Array:
+def constrain(x_MxR: Array, mesh: Mesh | None) -> Array:
   """Each stacked minibatch's rows stay split over the batch mesh axes."""
   if mesh is None:
-    return x_MxN
-  spec = P(None, sharding.ACTIVATION_RULES["batch"], *([None] * (x_MxN.ndim - 2)))
-  return jax.lax.with_sharding_constraint(x_MxN, NamedSharding(mesh, spec))
+    return x_MxR
+  spec = P(None, sharding.ACTIVATION_RULES["batch"], *([None] * (x_MxR.ndim - 2)))
+  return jax.lax.with_sharding_constraint(x_MxR, NamedSharding(mesh, spec))
 
 
 def update(state: TrainState, batch: Batch, rewards_BxG: Array, *, graphdef, tx,
