@@ -2,6 +2,11 @@
 
 The loss components are pure functions over arrays (`gspo_jax.losses`,
 `gspo_jax.advantages`); the model is bound in at the train step.
+
+Arrays are named with their shape (`adv_BxG`, `logp_BxGxT`) under one legend for the whole
+package, docs/shapes.md: B prompts, G responses per prompt, R = B*G rows, P prompt and T
+response positions, V vocabulary, D model width, ... (the loss library's `_BxT` counts
+rows; that page says where else a public name reads differently).
 """
 
 from gspo_jax.advantages import group_advantages

@@ -1,7 +1,8 @@
 """Group-normalised advantages (GRPO / GSPO, paper Eq. 6), and their per-turn form for
 multi-turn episodes (`turn_advantages`, per-token credit for GSPO-token, paper Eq. 13).
 
-Legend: B = prompts, G = responses per prompt (the group), K = turns, T = tokens.
+Shapes: the package legend (docs/shapes.md); U turns (`turn_rewards_BxGxK`, a
+public name, keeps K for turns).
 """
 
 from __future__ import annotations
@@ -133,14 +134,14 @@ def turn_advantages(turn_rewards_BxGxK: Array, turn_BxGxT: Array, *, eps: float 
     _raise_on_nan(fn, np.asarray(turn_rewards_BxGxK).sum(-1))
   r = jnp.asarray(turn_rewards_BxGxK)
   r = r.astype(jnp.promote_types(r.dtype, jnp.float32))
-  B, G, K = r.shape
+  B, G, U = r.shape
   turn = jnp.asarray(turn_BxGxT)
   # Return to go: a reversed cumulative sum over turns.
-  to_go_BxGxK = jnp.flip(jnp.cumsum(jnp.flip(r, -1), -1), -1)
-  reached_BxGxK = jnp.any(turn[:, :, None, :] == jnp.arange(K)[None, None, :, None], -1)
-  per_turn = lambda x: jnp.swapaxes(x, 1, 2).reshape(B * K, G)    # (B*K, G): one row per turn
-  adv_BKxG = _valid_group_advantages(per_turn(to_go_BxGxK), per_turn(reached_BxGxK), eps,
+  to_go_BxGxU = jnp.flip(jnp.cumsum(jnp.flip(r, -1), -1), -1)
+  reached_BxGxU = jnp.any(turn[:, :, None, :] == jnp.arange(U)[None, None, :, None], -1)
+  per_turn = lambda x: jnp.swapaxes(x, 1, 2).reshape(B * U, G)    # (B*U, G): one row per turn
+  adv_BUxG = _valid_group_advantages(per_turn(to_go_BxGxU), per_turn(reached_BxGxU), eps,
                                      scale_by_std)
-  adv_BxGxK = jnp.swapaxes(adv_BKxG.reshape(B, K, G), 1, 2)
-  adv_BxGxT = jnp.take_along_axis(adv_BxGxK, jnp.clip(turn, 0, K - 1), axis=-1)
+  adv_BxGxU = jnp.swapaxes(adv_BUxG.reshape(B, U, G), 1, 2)
+  adv_BxGxT = jnp.take_along_axis(adv_BxGxU, jnp.clip(turn, 0, U - 1), axis=-1)
   return jnp.where(turn >= 0, adv_BxGxT, jnp.zeros((), r.dtype))

@@ -13,8 +13,8 @@ rollout policy, score them, group-normalise the rewards (Eq. 6), record the roll
 log-probs as pi_old, then split the B*G responses into minibatches (4 by default) and
 take one optax step per minibatch, so all but the first are off-policy.
 
-Legend: B prompts per iteration, G responses per prompt, T max response tokens,
-V vocabulary, P prompts in the task, M responses in a minibatch.
+Shapes: the package legend (docs/shapes.md); n the prompts in the task
+(lowercase: this module's own), R = B*G responses, A the answer's digits and EOS.
 
     python -m gspo_jax.demo --config configs/demo.py [--set loss=grpo --set iterations=80]
 """
@@ -77,7 +77,7 @@ class DemoConfig:
 
 @flax.struct.dataclass
 class TrainState:
-  logits_PxTxV: jax.Array
+  logits_nxTxV: jax.Array
   opt_state: optax.OptState
   step: jax.Array
   key: jax.Array
@@ -85,65 +85,65 @@ class TrainState:
 
 @flax.struct.dataclass
 class Rollout:
-  prompt_ids_M: jax.Array
-  tokens_MxT: jax.Array
-  mask_MxT: jax.Array
-  old_logp_MxT: jax.Array
-  adv_M: jax.Array
+  prompt_ids_R: jax.Array
+  tokens_RxT: jax.Array
+  mask_RxT: jax.Array
+  old_logp_RxT: jax.Array
+  adv_R: jax.Array
   reward_BxG: jax.Array
 
 
-def response_mask(tokens_MxT: jax.Array) -> jax.Array:
+def response_mask(tokens_RxT: jax.Array) -> jax.Array:
   """1 up to and including the first EOS; the whole row if there is none (truncated)."""
-  is_eos = tokens_MxT == EOS
+  is_eos = tokens_RxT == EOS
   eos_before = jnp.cumsum(is_eos, axis=-1) - is_eos  # EOS strictly before t
   return (eos_before == 0).astype(jnp.float32)
 
 
-def reward(tokens_MxT, mask_MxT, target_MxL1) -> jax.Array:
+def reward(tokens_RxT, mask_RxT, target_RxA) -> jax.Array:
   """Fraction of the answer_len + 1 target tokens (digits, then EOS) reproduced."""
-  L1 = target_MxL1.shape[-1]
-  hit = (tokens_MxT[:, :L1] == target_MxL1) & (mask_MxT[:, :L1] > 0)
+  A = target_RxA.shape[-1]
+  hit = (tokens_RxT[:, :A] == target_RxA) & (mask_RxT[:, :A] > 0)
   return jnp.mean(hit.astype(jnp.float32), axis=-1)
 
 
-def policy_logprobs(logits_PxTxV, prompt_ids_M, tokens_MxT) -> jax.Array:
-  return token_logprobs(logits_PxTxV[prompt_ids_M], tokens_MxT)
+def policy_logprobs(logits_nxTxV, prompt_ids_R, tokens_RxT) -> jax.Array:
+  return token_logprobs(logits_nxTxV[prompt_ids_R], tokens_RxT)
 
 
 def make_task(cfg: DemoConfig) -> np.ndarray:
-  """Hidden answers, target_PxL1: L random digits then EOS (fixed by the seed)."""
+  """Hidden answers, target_nxA: L random digits then EOS (fixed by the seed)."""
   rng = np.random.default_rng(cfg.seed)
   digits = rng.integers(0, NUM_DIGITS, (cfg.num_prompts, cfg.answer_len))
   return np.concatenate([digits, np.full((cfg.num_prompts, 1), EOS)], axis=1)
 
 
-def rollout(state: TrainState, target_PxL1: jax.Array, cfg: DemoConfig) -> Rollout:
+def rollout(state: TrainState, target_nxA: jax.Array, cfg: DemoConfig) -> Rollout:
   """Sample B prompts x G responses, score them, and record pi_old log-probs."""
   B, G, T = cfg.prompts_per_iter, cfg.group_size, cfg.max_len
   key = jax.random.fold_in(state.key, state.step)
   k_prompts, k_tokens = jax.random.split(key)
   prompts_B = jax.random.choice(k_prompts, cfg.num_prompts, (B,), replace=False)
-  prompt_ids_M = jnp.repeat(prompts_B, G)
-  logits_MxTxV = state.logits_PxTxV[prompt_ids_M]
-  tokens_MxT = jax.random.categorical(k_tokens, logits_MxTxV)
-  mask_MxT = response_mask(tokens_MxT)
-  reward_M = reward(tokens_MxT, mask_MxT, target_PxL1[prompt_ids_M])
-  reward_BxG = reward_M.reshape(B, G)
-  adv_M = group_advantages(reward_BxG).reshape(B * G)
-  old_logp_MxT = token_logprobs(logits_MxTxV, tokens_MxT)
+  prompt_ids_R = jnp.repeat(prompts_B, G)
+  logits_RxTxV = state.logits_nxTxV[prompt_ids_R]
+  tokens_RxT = jax.random.categorical(k_tokens, logits_RxTxV)
+  mask_RxT = response_mask(tokens_RxT)
+  reward_R = reward(tokens_RxT, mask_RxT, target_nxA[prompt_ids_R])
+  reward_BxG = reward_R.reshape(B, G)
+  adv_R = group_advantages(reward_BxG).reshape(B * G)
+  old_logp_RxT = token_logprobs(logits_RxTxV, tokens_RxT)
   del T
-  return Rollout(prompt_ids_M, tokens_MxT, mask_MxT, old_logp_MxT, adv_M, reward_BxG)
+  return Rollout(prompt_ids_R, tokens_RxT, mask_RxT, old_logp_RxT, adv_R, reward_BxG)
 
 
 def update(state: TrainState, batch: Rollout, cfg: DemoConfig, tx: optax.GradientTransformation):
   """One pass over the rollout in `num_minibatches` shuffled minibatches, one step each."""
   loss_fn = losses.LOSSES[cfg.loss]
-  num = batch.adv_M.shape[0]
+  num = batch.adv_R.shape[0]
   perm = jax.random.permutation(jax.random.fold_in(state.key, -state.step - 1), num)
   shuffled = jax.tree.map(lambda x: x[perm].reshape(cfg.num_minibatches, -1, *x.shape[1:]),
-                          (batch.prompt_ids_M, batch.tokens_MxT, batch.mask_MxT,
-                           batch.old_logp_MxT, batch.adv_M))
+                          (batch.prompt_ids_R, batch.tokens_RxT, batch.mask_RxT,
+                           batch.old_logp_RxT, batch.adv_R))
 
   def objective(logits, mb):
     prompt_ids, tokens, mask, old_logp, adv = mb
@@ -156,9 +156,9 @@ def update(state: TrainState, batch: Rollout, cfg: DemoConfig, tx: optax.Gradien
     updates, opt_state = tx.update(grads, opt_state, logits)
     return (optax.apply_updates(logits, updates), opt_state), metrics
 
-  (logits, opt_state), metrics = jax.lax.scan(step, (state.logits_PxTxV, state.opt_state),
+  (logits, opt_state), metrics = jax.lax.scan(step, (state.logits_nxTxV, state.opt_state),
                                               shuffled)
-  new_state = state.replace(logits_PxTxV=logits, opt_state=opt_state, step=state.step + 1)
+  new_state = state.replace(logits_nxTxV=logits, opt_state=opt_state, step=state.step + 1)
   return new_state, jax.tree.map(jnp.mean, metrics)
 
 
@@ -168,10 +168,10 @@ def init_state(cfg: DemoConfig, tx: optax.GradientTransformation) -> TrainState:
                     jax.random.key(cfg.seed))
 
 
-def greedy_accuracy(state: TrainState, target_PxL1: jax.Array) -> float:
+def greedy_accuracy(state: TrainState, target_nxA: jax.Array) -> float:
   """Exact-match rate of the argmax answer over all prompts."""
-  tokens = jnp.argmax(state.logits_PxTxV, axis=-1)
-  r = reward(tokens, response_mask(tokens), target_PxL1)
+  tokens = jnp.argmax(state.logits_nxTxV, axis=-1)
+  r = reward(tokens, response_mask(tokens), target_nxA)
   return float(jnp.mean(r == 1.0))
 
 

@@ -11,8 +11,8 @@ program, one prepare program) and the update keeps exactly B groups (one update 
 
 i.e. the informative groups first, in sampling order, then, if fewer than B are
 informative, the degenerate groups in sampling order to fill the batch (they keep their
-advantage of exactly 0 and are counted in `dynamic_fill`). Legend: B_s groups sampled
-(`Bs` in names), B kept, G responses per group.
+advantage of exactly 0 and are counted in `dynamic_fill`). Shapes: the package legend
+(docs/shapes.md); B_s groups sampled (`Bs` in names), B kept.
 
 Where it runs: inside the update program, on device. The rewards are scored on the host,
 but they go to the device for the update anyway, and selecting there keeps the prepare
@@ -49,7 +49,7 @@ def informative_groups(rewards_BsxG: Array, valid_BsxG: Array | None = None) -> 
 
 def select_groups(rewards_BsxG: Array, valid_BsxG: Array | None, keep: int
                   ) -> tuple[Array, dict[str, Array]]:
-  """(order_K, metrics): the indices of the `keep` (= B) groups to train on, informative
+  """(order_B, metrics): the indices of the `keep` (= B) groups to train on, informative
   ones first in sampling order, then degenerate ones in sampling order (see the module
   docstring). Metrics: degenerate_groups_frac (of the B_s sampled groups, TRL's
   `frac_reward_zero_std`), dynamic_fill (of the B kept groups, the degenerate fill)."""
@@ -57,22 +57,22 @@ def select_groups(rewards_BsxG: Array, valid_BsxG: Array | None, keep: int
   if not 0 < keep <= Bs:
     raise ValueError(f"select_groups: keep must be in [1, {Bs}] (groups sampled); got {keep}")
   informative_Bs = informative_groups(rewards_BsxG, valid_BsxG)
-  order_K = jnp.argsort(~informative_Bs, stable=True)[:keep]
+  order_B = jnp.argsort(~informative_Bs, stable=True)[:keep]
   metrics = {"degenerate_groups_frac": 1.0 - jnp.mean(informative_Bs.astype(jnp.float32)),
-             "dynamic_fill": 1.0 - jnp.mean(informative_Bs[order_K].astype(jnp.float32))}
-  return order_K, metrics
+             "dynamic_fill": 1.0 - jnp.mean(informative_Bs[order_B].astype(jnp.float32))}
+  return order_B, metrics
 
 
-def take_groups(batch: Any, order_K: Array, flat: tuple[str, ...] = ("old_experts",)) -> Any:
-  """The groups `order_K` of a grouped batch (`step.Batch`): every (B_s, ...) field by its
+def take_groups(batch: Any, order_B: Array, flat: tuple[str, ...] = ("old_experts",)) -> Any:
+  """The groups `order_B` of a grouped batch (`step.Batch`): every (B_s, ...) field by its
   leading index; the fields named in `flat` hold (B_s*G, ...) rows (each array of a tuple
   field, e.g. the per-MoE-layer expert choices), taken group by group."""
   G = batch.tokens_BxGxT.shape[1]
 
   def take(name, x):
     if name in flat:
-      return x.reshape(-1, G, *x.shape[1:])[order_K].reshape(-1, *x.shape[1:])
-    return x[order_K]
+      return x.reshape(-1, G, *x.shape[1:])[order_B].reshape(-1, *x.shape[1:])
+    return x[order_B]
 
   return batch.replace(**{f.name: jax.tree.map(functools.partial(take, f.name),
                                                getattr(batch, f.name))

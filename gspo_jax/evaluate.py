@@ -58,7 +58,7 @@ def _responses(run, respond, params, examples, *, batch: int, seed: int = 0):
   by chunk (each chunk padded with copies of its last problem to a multiple of the batch
   mesh axes; padding not counted).
 
-  Returns (correct_NxG bool, rewards_NxG, this process's (example, texts) pairs)."""
+  Returns (correct_BxG bool, rewards_BxG, this process's (example, texts) pairs)."""
   ways = sharding.batch_ways(run.layout.mesh)
   batch = -(-batch // ways) * ways
   correct, rewards, shown = [], [], []

@@ -1,7 +1,7 @@
 """A fused GSPO iteration: sample -> reward on token ids -> advantages -> minibatch updates
 as one XLA program, with no host round trip (the purejaxrl pattern).
 
-Legend: B prompts, G responses per prompt, P prompt tokens, T response tokens, A answer tokens.
+Shapes: the package legend (docs/shapes.md).
 
 This needs a reward written in JAX. For the arithmetic tasks (with `format_reward = 0`) the
 reward is exact match, and exact match can be checked on token ids: a response scores 1.0

@@ -1,7 +1,7 @@
 """Long responses: DAPO's overlong reward shaping, length bins, and the length metrics.
 
-Legend: B prompts, G responses per prompt, R rows of a minibatch, T response tokens
-(= rollout.max_new_tokens, L_max in DAPO's notation).
+Shapes: the package legend (docs/shapes.md); R the rows of a minibatch, M minibatches,
+T = rollout.max_new_tokens (L_max in DAPO's notation).
 
 A response's length |y| is its counted tokens, n = sum_t m_t, EOS included (the sampler's
 `lengths_BxG`; verl's DAPO reward counts the same). A truncated response (no EOS within

@@ -1,6 +1,8 @@
 """Per-token log-probabilities of given tokens, in float32 (or wider).
 
-Legend: B = rows (any leading shape), T = tokens, D = model width, V = vocabulary.
+Shapes: the package legend (docs/shapes.md), read as in the loss library: B counts rows
+(any leading shape; R in the legend), T tokens; Z chunks of n positions each (n this
+module's own).
 
 `token_logprobs` takes logits. `token_logprobs_from_hidden` takes the final hidden
 states and the unembedding matrix and never materialises the full B x T x V float32
@@ -103,16 +105,16 @@ def _chunked_logprobs(h_BxTxD, w_DxV, tok_BxT, temperature, chunk):
   h = jnp.pad(h_BxTxD, ((0, 0), (0, pad), (0, 0)))
   tok = jnp.pad(tok_BxT, ((0, 0), (0, pad)))
   # Chunk axis first for the scan; the batch axis stays intact (and keeps its sharding).
-  h_CxBxKxD = h.reshape(B, num_chunks, chunk, D).transpose(1, 0, 2, 3)
-  tok_CxBxK = tok.reshape(B, num_chunks, chunk).transpose(1, 0, 2)
+  h_ZxBxnxD = h.reshape(B, num_chunks, chunk, D).transpose(1, 0, 2, 3)
+  tok_ZxBxn = tok.reshape(B, num_chunks, chunk).transpose(1, 0, 2)
   acc = jnp.promote_types(jnp.result_type(h_BxTxD, w_DxV), jnp.float32)
 
   @jax.checkpoint  # backward recomputes this chunk's logits rather than saving them
-  def chunk_logprobs(h_BxKxD, tok_BxK):
-    logits = jnp.einsum("bkd,dv->bkv", h_BxKxD, w_DxV, preferred_element_type=acc)
+  def chunk_logprobs(h_BxnxD, tok_Bxn):
+    logits = jnp.einsum("bkd,dv->bkv", h_BxnxD, w_DxV, preferred_element_type=acc)
     if not (isinstance(temperature, (int, float)) and temperature == 1):
       logits = logits / temperature
-    return _logprob_of(logits, tok_BxK)
+    return _logprob_of(logits, tok_Bxn)
 
-  logp_CxBxK = jax.lax.map(lambda args: chunk_logprobs(*args), (h_CxBxKxD, tok_CxBxK))
-  return logp_CxBxK.transpose(1, 0, 2).reshape(B, num_chunks * chunk)[:, :T]
+  logp_ZxBxn = jax.lax.map(lambda args: chunk_logprobs(*args), (h_ZxBxnxD, tok_ZxBxn))
+  return logp_ZxBxn.transpose(1, 0, 2).reshape(B, num_chunks * chunk)[:, :T]

@@ -3,7 +3,9 @@ assembles them; a variant can be assembled the same way).
 
 Paper: Zheng et al., "Group Sequence Policy Optimization", arXiv:2507.18071 (v2).
 
-Legend: B = responses in the (mini)batch, T = response tokens (padded length).
+Shapes: the package legend (docs/shapes.md), with one exception for the whole loss
+library: B counts rows (responses in the (mini)batch, R in the legend), since a loss takes
+whatever rows it is given; T = response tokens (padded length).
 `mask_BxT` is 1 (or True) on counted response tokens and 0 elsewhere (padding, tool
 output, ...); it need not be a prefix. n_i = |y_i| = sum_t mask_it, and
 N = #{i : n_i > 0} is the number of non-empty rows. Empty rows take no part in any

@@ -2,7 +2,8 @@
 kind of rollout a run makes (`Groups` here, multi-turn `Episodes` in
 `gspo_jax.multiturn.rollout`), chosen once at setup (`Run.rollout`).
 
-Legend: B prompts per iteration, G responses per prompt, P prompt tokens, T response tokens.
+Shapes: the package legend (docs/shapes.md); the cold start's demonstrations
+are one row per prompt (`tokens_BxT`).
 
 A kind of rollout gives every phase what it needs of it, so no phase asks which kind it has:
   collect(run, params, key, step, ref_params, log) -> RolloutResult      the training loop

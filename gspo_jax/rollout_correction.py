@@ -4,8 +4,9 @@ off-policy sequence mask. Pure functions over arrays returning `(weights_BxT, me
 the weights go into any loss as `token_weights_BxT` (multiply several by each other to
 combine them).
 
-Legend and mask convention as in `gspo_jax.loss_blocks` (B rows, T tokens, n_i counted
-tokens of row i). Both log-prob inputs are constants (`stop_gradient`), and the correction
+Shapes: the package legend (docs/shapes.md), read as in the loss library
+(`gspo_jax.loss_blocks`: B counts rows, R in the legend); its mask convention, n_i counted
+tokens of row i. Both log-prob inputs are constants (`stop_gradient`), and the correction
 is decoupled from the policy ratio: GSPO's s_i still uses the recomputed pi_old.
 
 The in-graph sampler (`gspo_jax.sampling`) reports log-probs before top-p / top-k

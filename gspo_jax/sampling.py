@@ -1,7 +1,6 @@
 """In-graph group sampler: G responses per prompt in one compiled program.
 
-Legend: B prompts, G responses per prompt, P prompt positions, T response positions,
-V vocabulary, D hidden.
+Shapes: the package legend (docs/shapes.md).
 
 Layout (shared with `teacher_forcing.response_logprobs`, which the trainer uses): prompts are
 right-padded to P with `prompt_lens_B` valid tokens; prompt token p sits at position p,
@@ -133,24 +132,24 @@ class _LoopState:
   experts_BxGxTxK: tuple[Array, ...] = ()   # per MoE layer, with cfg.record_experts
 
 
-def filter_logits(logits_NxV: Array, cfg: SamplerConfig) -> Array:
+def filter_logits(logits_RxV: Array, cfg: SamplerConfig) -> Array:
   """Vocabulary limit, top-k and top-p (nucleus) filtering on already-tempered logits."""
-  neg = jnp.finfo(logits_NxV.dtype).min
-  V = logits_NxV.shape[-1]
+  neg = jnp.finfo(logits_RxV.dtype).min
+  V = logits_RxV.shape[-1]
   if cfg.vocab_limit is not None and cfg.vocab_limit < V:
-    logits_NxV = jnp.where(jnp.arange(V) < cfg.vocab_limit, logits_NxV, neg)
+    logits_RxV = jnp.where(jnp.arange(V) < cfg.vocab_limit, logits_RxV, neg)
   if cfg.top_k and cfg.top_k < V:
-    kth = jax.lax.top_k(logits_NxV, cfg.top_k)[0][..., -1:]
-    logits_NxV = jnp.where(logits_NxV >= kth, logits_NxV, neg)
+    kth = jax.lax.top_k(logits_RxV, cfg.top_k)[0][..., -1:]
+    logits_RxV = jnp.where(logits_RxV >= kth, logits_RxV, neg)
   if cfg.top_p < 1:
-    sorted_desc = -jnp.sort(-logits_NxV, axis=-1)
+    sorted_desc = -jnp.sort(-logits_RxV, axis=-1)
     probs = jax.nn.softmax(sorted_desc, axis=-1)
     # Keep the smallest prefix whose mass reaches top_p: token i stays iff the mass
     # before it is < top_p (so the top token always stays).
     keep = (jnp.cumsum(probs, axis=-1) - probs) < cfg.top_p
     cutoff = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1, keepdims=True)
-    logits_NxV = jnp.where(logits_NxV >= cutoff, logits_NxV, neg)
-  return logits_NxV
+    logits_RxV = jnp.where(logits_RxV >= cutoff, logits_RxV, neg)
+  return logits_RxV
 
 
 def first_argmax(x: Array) -> Array:

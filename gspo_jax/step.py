@@ -1,7 +1,6 @@
 """The train step as pure functions: pi_old (`prepare`), then minibatch updates (`update`).
 
-Legend: B prompts per iteration, G responses per prompt, P prompt tokens, T response
-tokens, K experts chosen per token, S = P + T. A minibatch holds `b` prompts with `g` rows
+Shapes: the package legend (docs/shapes.md). A minibatch holds `b` prompts with `g` rows
 each: b = B / num_minibatches and g = G when `share_prompts` keeps groups whole, else
 b = B*G / num_minibatches single rows (g = 1) drawn from any group.
 
@@ -323,12 +322,12 @@ def split_minibatches(key: Array, batch: Batch, adv_BxG: Array, cfg: StepConfig,
   return jax.tree_util.tree_map_with_path(split, whole)
 
 
-def constrain(x_MxN: Array, mesh: Mesh | None) -> Array:
+def constrain(x_MxR: Array, mesh: Mesh | None) -> Array:
   """Each stacked minibatch's rows stay split over the batch mesh axes."""
   if mesh is None:
-    return x_MxN
-  spec = P(None, sharding.ACTIVATION_RULES["batch"], *([None] * (x_MxN.ndim - 2)))
-  return jax.lax.with_sharding_constraint(x_MxN, NamedSharding(mesh, spec))
+    return x_MxR
+  spec = P(None, sharding.ACTIVATION_RULES["batch"], *([None] * (x_MxR.ndim - 2)))
+  return jax.lax.with_sharding_constraint(x_MxR, NamedSharding(mesh, spec))
 
 
 def update(state: TrainState, batch: Batch, rewards_BxG: Array, *, graphdef, tx,

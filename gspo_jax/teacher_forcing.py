@@ -1,7 +1,6 @@
 """Teacher forcing: log-probs of given responses under a policy, in one forward.
 
-Legend: B prompts, G responses per prompt, P prompt positions, T response positions,
-D hidden, S = P + T.
+Shapes: the package legend (docs/shapes.md).
 
 The layout is the sampler's (`gspo_jax.sampling`): prompts right-padded to P with
 `prompt_lens_B` valid tokens; prompt token p at position p, response token t at position

@@ -1,7 +1,8 @@
 """Text <-> padded id arrays: the one place prompts, completions and answers are encoded,
 and responses decoded, for any `Tokenizer`.
 
-Legend: B rows, P prompt tokens, T completion / response tokens, A answer tokens, R responses.
+Shapes: the package legend (docs/shapes.md): B examples (a row per prompt: its
+prompt, completion or answer), R responses.
 Every array is right-padded with `tok.pad_id` (the sampler's prompt layout: tokens at
 0 .. len-1), int32 ids.
 

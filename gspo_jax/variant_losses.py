@@ -3,8 +3,8 @@ over arrays, each a few lines of the public blocks of `gspo_jax.loss_blocks`.
 
 They have the calling convention of `gspo_jax.losses` (which re-exports them and lists
 them in `LOSSES` / `LOSS_DEFAULTS`): `loss_fn(logp_BxT, old_logp_BxT, adv, mask_BxT,
-**hyperparameters) -> (loss, metrics)`, metrics from `policy_metrics`. Legend and mask
-convention as in `gspo_jax.loss_blocks`: B responses, T response tokens, n_i counted tokens
+**hyperparameters) -> (loss, metrics)`, metrics from `policy_metrics`. Shapes (docs/shapes.md)
+and mask convention as in `gspo_jax.loss_blocks`: B counts responses (rows), T response tokens, n_i counted tokens
 of row i, N non-empty rows (the batch mean is over those N, as in verl/tunix; TRL divides
 by all B rows).
 

@@ -1,18 +1,19 @@
 """Grouped-query attention with optional per-head q/k RMSNorm (Qwen3) and RoPE.
 
-Legend: B rows, G responses sharing one prompt, S query positions, K key positions,
-D hidden, N query heads, C kv heads, R = N / C query heads per kv head, H head_dim.
+Shapes: the package legend (docs/shapes.md): B prompts (rows when G = 1), G
+responses sharing one prompt, S query positions, J key positions, N query heads, C kv heads,
+Q = N / C query heads per kv head; Z query chunks of n queries each.
 
 Keys come in up to two segments so that G responses can share one prompt's KV cache
-without copying it: a *shared* segment with one entry per prompt (B, K, C, H) and an
-*own* segment with one entry per response (B, G, K, C, H). Scores of both segments are
+without copying it: a *shared* segment with one entry per prompt (B, J, C, H) and an
+*own* segment with one entry per response (B, G, J, C, H). Scores of both segments are
 softmaxed together (in float32), which is exactly attention over their concatenation.
-The KV cache keeps its keys heads-first instead, (B, C, K, H) and (B, G, C, H, K)
+The KV cache keeps its keys heads-first instead, (B, C, J, H) and (B, G, C, H, J)
 (`heads_first=True`): reads over the cache then take it in place, where the time-first
 layout made XLA copy the whole growing cache twice per layer and decode step.
 
 Teacher forcing (S > 1) can process queries `query_chunk` = n at a time (`attend_chunked`):
-the scores then live as (B, G, C, R, n, K) per chunk instead of (B, G, C, R, S, K), in the
+the scores then live as (B, G, C, Q, n, J) per chunk instead of (B, G, C, Q, S, J), in the
 forward and, recomputed per chunk, in the backward.
 """
 
@@ -26,7 +27,7 @@ from gspo_jax.models.config import ModelConfig
 from gspo_jax.models.layers import RMSNorm, param, rope
 
 Array = jax.Array
-Segment = tuple[Array, Array, Array]  # (k, v, mask broadcastable to (B, G, S, K))
+Segment = tuple[Array, Array, Array]  # (k, v, mask broadcastable to (B, G, S, J))
 
 
 class Attention(nnx.Module):
@@ -61,25 +62,25 @@ class Attention(nnx.Module):
                       self.o[...].astype(self.dtype))
 
 
-def _scores(q_BxGxSxCxRxH: Array, k: Array, spec: str, reduce: bool) -> Array:
-  """float32 q.k over head_dim -> (B, G, C, R, S, K), for keys laid out as `spec`.
+def _scores(q_BxGxSxCxQxH: Array, k: Array, spec: str, reduce: bool) -> Array:
+  """float32 q.k over head_dim -> (B, G, C, Q, S, J), for keys laid out as `spec`.
 
-  reduce: one query per response (S = 1) against own keys stored (B, G, C, H, K)."""
+  reduce: one query per response (S = 1) against own keys stored (B, G, C, H, J)."""
   if not reduce:
-    return jnp.einsum(f"bgscrh,{spec}->bgcrsk", q_BxGxSxCxRxH, k,
+    return jnp.einsum(f"bgscrh,{spec}->bgcrsk", q_BxGxSxCxQxH, k,
                       preferred_element_type=jnp.float32)
-  q = q_BxGxSxCxRxH[:, :, 0, :, :, :, None].astype(jnp.float32)   # (B, G, C, R, H, 1)
+  q = q_BxGxSxCxQxH[:, :, 0, :, :, :, None].astype(jnp.float32)   # (B, G, C, Q, H, 1)
   return jnp.sum(q * k[:, :, :, None].astype(jnp.float32), -2)[:, :, :, :, None]
 
 
-def _values(p_BxGxCxRxSxK: Array, v: Array, spec: str, reduce: bool) -> Array:
-  """Sum of p-weighted values over the keys -> (B, G, S, C, R, H) (`reduce` as in _scores,
-  values stored (B, G, C, K, H))."""
+def _values(p_BxGxCxQxSxJ: Array, v: Array, spec: str, reduce: bool) -> Array:
+  """Sum of p-weighted values over the keys -> (B, G, S, C, Q, H) (`reduce` as in _scores,
+  values stored (B, G, C, J, H))."""
   if not reduce:
-    return jnp.einsum(f"bgcrsk,{spec}->bgscrh", p_BxGxCxRxSxK, v)
-  p = p_BxGxCxRxSxK[:, :, :, :, 0, :, None].astype(jnp.float32)         # (B, G, C, R, K, 1)
+    return jnp.einsum(f"bgcrsk,{spec}->bgscrh", p_BxGxCxQxSxJ, v)
+  p = p_BxGxCxQxSxJ[:, :, :, :, 0, :, None].astype(jnp.float32)         # (B, G, C, Q, J, 1)
   o = jnp.sum(p * v[:, :, :, None].astype(jnp.float32), -2)[:, :, None]  # float32 accumulation
-  return o.astype(p_BxGxCxRxSxK.dtype)
+  return o.astype(p_BxGxCxQxSxJ.dtype)
 
 
 def attend(q_BxGxSxNxH: Array, *, shared: Segment | None = None,
@@ -88,17 +89,17 @@ def attend(q_BxGxSxNxH: Array, *, shared: Segment | None = None,
   """softmax(q k^T / sqrt(H) + mask) v over the shared, own and new key segments.
 
   Args:
-    q_BxGxSxNxH: queries, heads in HF order (query head n uses kv head n // R).
-    shared: (k_BxKxCxH, v_BxKxCxH, mask) keys common to the G responses of a row.
-    own: (k_BxGxKxCxH, v_BxGxKxCxH, mask) keys of each response.
-    new: (k_BxGxKxCxH, v_BxGxKxCxH, mask) more keys of each response, time-first whatever
+    q_BxGxSxNxH: queries, heads in HF order (query head n uses kv head n // Q).
+    shared: (k_BxJxCxH, v_BxJxCxH, mask) keys common to the G responses of a row.
+    own: (k_BxGxJxCxH, v_BxGxJxCxH, mask) keys of each response.
+    new: (k_BxGxJxCxH, v_BxGxJxCxH, mask) more keys of each response, time-first whatever
       `heads_first` says (a decode step's own token, next to a cache it is not yet in).
-    Masks are bool, broadcastable to (B, G, S, K); True = may attend.
-    heads_first: the KV cache's layouts instead: shared keys and values (B, C, K, H), own
-      keys (B, G, C, H, K) and own values (B, G, C, K, H). With one query per response
+    Masks are bool, broadcastable to (B, G, S, J); True = may attend.
+    heads_first: the KV cache's layouts instead: shared keys and values (B, C, J, H), own
+      keys (B, G, C, H, J) and own values (B, G, C, J, H). With one query per response
       (decoding, S = 1) the own segment is read by multiply-and-reduce instead of a batched
       matmul: per step that is a matrix-vector product, memory-bound on every backend, and
-      XLA:CPU ran it as a (K x H) @ (H x R) matmul at a fraction of the speed. Keys with K
+      XLA:CPU ran it as a (J x H) @ (H x Q) matmul at a fraction of the speed. Keys with J
       minor reduce over H across contiguous key slots (`benchmark.py decode` measures it).
     query_chunk: n > 0 runs the queries n positions at a time (`attend_chunked`) when
       S > n; 0 = all at once.
@@ -128,9 +129,9 @@ def attend(q_BxGxSxNxH: Array, *, shared: Segment | None = None,
   p = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1).astype(q.dtype)
   out, start = 0, 0
   for s, (v, spec, reduce) in zip(scores, values):
-    K = s.shape[-1]
-    out = out + _values(p[..., start:start + K], v, spec, reduce)
-    start += K
+    J = s.shape[-1]
+    out = out + _values(p[..., start:start + J], v, spec, reduce)
+    start += J
   return out.reshape(B, G, S, N, H)
 
 
@@ -149,18 +150,18 @@ def attend_chunked(q_BxGxSxNxH: Array, n: int, *, shared: Segment | None = None,
 
   The chunks run one after another (`jax.lax.map`), each under `jax.checkpoint`: the
   backward recomputes a chunk's scores and probabilities from its queries instead of
-  storing them for every chunk, so at any time one chunk's (B, G, C, R, n, K) float32
-  scores are live rather than (B, G, C, R, S, K). Every chunk reads all keys and values,
+  storing them for every chunk, so at any time one chunk's (B, G, C, Q, n, J) float32
+  scores are live rather than (B, G, C, Q, S, J). Every chunk reads all keys and values,
   and masks whose S-dimension is 1 whole; masks with an S axis are sliced per chunk.
   """
   B, G, S, N, H = q_BxGxSxNxH.shape
-  J = -(-S // n)                       # chunks
-  pad = J * n - S
+  Z = -(-S // n)                       # chunks
+  pad = Z * n - S
 
   def split(x: Array, axis: int) -> Array:
-    """x with its S axis (`axis`) padded to J * n and split into (J, ..., n, ...)."""
+    """x with its S axis (`axis`) padded to Z * n and split into (Z, ..., n, ...)."""
     x = jnp.pad(x, [(0, pad) if a == axis else (0, 0) for a in range(x.ndim)])
-    x = x.reshape(x.shape[:axis] + (J, n) + x.shape[axis + 1:])
+    x = x.reshape(x.shape[:axis] + (Z, n) + x.shape[axis + 1:])
     return jnp.moveaxis(x, axis, 0)
 
   segments = {"shared": shared, "own": own, "new": new}
@@ -169,7 +170,7 @@ def attend_chunked(q_BxGxSxNxH: Array, n: int, *, shared: Segment | None = None,
     if seg is None:
       continue
     mask = jnp.asarray(seg[2], bool)
-    mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)  # (B|1, G|1, S|1, K|1)
+    mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)  # (B|1, G|1, S|1, J|1)
     sliced[name] = mask.shape[2] != 1
     masks[name] = split(mask, 2) if sliced[name] else mask  # padded rows: all False
 
@@ -179,8 +180,8 @@ def attend_chunked(q_BxGxSxNxH: Array, n: int, *, shared: Segment | None = None,
     return attend(q_BxGxnxNxH, heads_first=heads_first, **segs)
 
   # prevent_cse=False: inside a scan the recomputation cannot be merged away (jax docs).
-  o_JxBxGxnxNxH = jax.lax.map(
+  o_ZxBxGxnxNxH = jax.lax.map(
       lambda xs: jax.checkpoint(chunk, prevent_cse=False)(*xs),
       (split(q_BxGxSxNxH, 2), {name: m for name, m in masks.items() if sliced[name]}))
-  o = jnp.moveaxis(o_JxBxGxnxNxH, 0, 2).reshape(B, G, J * n, N, H)
+  o = jnp.moveaxis(o_ZxBxGxnxNxH, 0, 2).reshape(B, G, Z * n, N, H)
   return o[:, :, :S]

@@ -3,6 +3,8 @@
 Logical axis names (mapped to mesh axes by one rules table, see the sharding issue):
   vocab, embed (the residual width), heads, kv_heads, head_dim, mlp, expert.
 Each parameter stores its names as Variable metadata `logical_axes`.
+
+Shapes: the package legend (docs/shapes.md); f (this module's own) the H/2 rotary frequencies.
 """
 
 from __future__ import annotations
@@ -46,9 +48,9 @@ def rope(x_BxSxNxH: Array, positions_BxS: Array, theta: float) -> Array:
   """Rotary embedding, split-half (NeoX / HF `rotate_half`) layout, computed in float32."""
   H = x_BxSxNxH.shape[-1]
   inv_freq = 1.0 / (theta ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H))
-  angles_BxSxF = positions_BxS.astype(jnp.float32)[..., None] * inv_freq[None, None, :]
-  cos = jnp.cos(angles_BxSxF)[:, :, None, :]
-  sin = jnp.sin(angles_BxSxF)[:, :, None, :]
+  angles_BxSxf = positions_BxS.astype(jnp.float32)[..., None] * inv_freq[None, None, :]
+  cos = jnp.cos(angles_BxSxf)[:, :, None, :]
+  sin = jnp.sin(angles_BxSxf)[:, :, None, :]
   x = x_BxSxNxH.astype(jnp.float32)
   x1, x2 = x[..., : H // 2], x[..., H // 2:]
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)

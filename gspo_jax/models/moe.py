@@ -1,18 +1,18 @@
 """Mixture-of-experts feed-forward block, exactly as Hugging Face Qwen3-MoE (dropless, top-k).
 
-Legend: B batch, S sequence, D hidden (residual width), E experts, K experts per token,
-N = B*S tokens, A = N*K token-to-expert assignments, M = moe_mlp_dim.
+Shapes: the package legend (docs/shapes.md) (B the model's leading axis);
+this module's own: n = B*S tokens, a = n*K token-to-expert assignments.
 
-  logits_NxE = x_NxD @ router_DxE                      (compute dtype, no bias)
-  probs_NxE  = softmax(float32(logits)) over ALL E experts   (float64 in float64 runs)
-  w_NxK, e_NxK = top_k(probs, K); if norm_topk_prob: w /= sum_k w   (then cast to compute dtype)
+  logits_nxE = x_nxD @ router_DxE                      (compute dtype, no bias)
+  probs_nxE  = softmax(float32(logits)) over ALL E experts   (float64 in float64 runs)
+  w_nxK, e_nxK = top_k(probs, K); if norm_topk_prob: w /= sum_k w   (then cast to compute dtype)
   y_n = sum_k w_nk * down_e(silu(x_n @ gate_e) * (x_n @ up_e)),   e = e_nk
   aux = E * sum_e f_e * P_e   (Switch load balancing, float32, over valid tokens only)
         f_e = #{(n, k): e_nk = e} / #tokens   (so sum_e f_e = K),  P_e = mean_n probs_ne
 
 Every token goes to exactly K experts (no capacity, nothing dropped), so this matches HF;
 a capacity-factor dispatch would not. Two interchangeable dispatch paths (cfg.moe_dispatch):
-  "dense":  every expert runs on every token; an [N, E] combine matrix keeps the chosen
+  "dense":  every expert runs on every token; an [n, E] combine matrix keeps the chosen
             ones. Exact and simple, E/K times the FLOPs: the test reference, fine for small E.
   "ragged": assignments sorted by expert, jax.lax.ragged_dot per expert group, unsorted.
             K/E of the dense FLOPs; the one for real sizes (preset qwen3_30b_a3b: E=128, K=8).
@@ -43,84 +43,84 @@ def _router_dtype(dtype) -> jnp.dtype:
   return jnp.promote_types(dtype, jnp.float32)
 
 
-def route(x_NxD: Array, router_DxE: Array, k: int, *, norm_topk_prob: bool,
-          replay_NxK: Array | None = None) -> tuple[Array, Array, Array]:
-  """Router: returns (weights_NxK in x's dtype, indices_NxK int32, probs_NxE float32).
+def route(x_nxD: Array, router_DxE: Array, k: int, *, norm_topk_prob: bool,
+          replay_nxK: Array | None = None) -> tuple[Array, Array, Array]:
+  """Router: returns (weights_nxK in x's dtype, indices_nxK int32, probs_nxE float32).
 
   logits = x @ router in x's dtype; probs = softmax(float32 logits) over all experts (float64,
-  and so probs_NxE, in float64 runs); indices = top_k(probs) or `replay_NxK`; weights = probs
+  and so probs_nxE, in float64 runs); indices = top_k(probs) or `replay_nxK`; weights = probs
   at those indices, divided by their sum when `norm_topk_prob`.
   Out-of-range replay indices (negative ones included) give NaN weights (take_along_axis
   "fill" mode), so under jit, where MoE cannot check values, a bad replay shows up as NaN in
   that token's output instead of routing silently.
   """
-  logits_NxE = x_NxD @ router_DxE.astype(x_NxD.dtype)
+  logits_nxE = x_nxD @ router_DxE.astype(x_nxD.dtype)
   # HF takes the softmax in float32 whatever the model dtype: bf16 probabilities would make
   # near-ties in the top-k (and the aux loss) depend on rounding. float64 runs keep float64
   # (promote, never demote), so they can check the rest of the block to 1e-12.
-  probs_NxE = jax.nn.softmax(logits_NxE.astype(_router_dtype(x_NxD.dtype)), axis=-1)
-  if replay_NxK is None:
-    weights_NxK, indices_NxK = jax.lax.top_k(probs_NxE, k)
+  probs_nxE = jax.nn.softmax(logits_nxE.astype(_router_dtype(x_nxD.dtype)), axis=-1)
+  if replay_nxK is None:
+    weights_nxK, indices_nxK = jax.lax.top_k(probs_nxE, k)
   else:
-    indices_NxK = replay_NxK.astype(jnp.int32)
-    weights_NxK = jnp.take_along_axis(probs_NxE, indices_NxK, axis=-1, mode="fill",
+    indices_nxK = replay_nxK.astype(jnp.int32)
+    weights_nxK = jnp.take_along_axis(probs_nxE, indices_nxK, axis=-1, mode="fill",
                                       wrap_negative_indices=False)
   if norm_topk_prob:
-    weights_NxK = weights_NxK / jnp.sum(weights_NxK, axis=-1, keepdims=True)
-  return weights_NxK.astype(x_NxD.dtype), indices_NxK.astype(jnp.int32), probs_NxE
+    weights_nxK = weights_nxK / jnp.sum(weights_nxK, axis=-1, keepdims=True)
+  return weights_nxK.astype(x_nxD.dtype), indices_nxK.astype(jnp.int32), probs_nxE
 
 
-def _expert_mlp_dense(x_NxD: Array, gate_ExDxM: Array, up_ExDxM: Array,
-                      down_ExMxD: Array) -> Array:
-  """y_NxExD[n, e] = down_e(silu(x_n @ gate_e) * (x_n @ up_e)) for every (token, expert)."""
-  g_NxExM = jnp.einsum("nd,edm->nem", x_NxD, gate_ExDxM)
-  u_NxExM = jnp.einsum("nd,edm->nem", x_NxD, up_ExDxM)
-  return jnp.einsum("nem,emd->ned", jax.nn.silu(g_NxExM) * u_NxExM, down_ExMxD)
+def _expert_mlp_dense(x_nxD: Array, gate_ExDxF: Array, up_ExDxF: Array,
+                      down_ExFxD: Array) -> Array:
+  """y_nxExD[n, e] = down_e(silu(x_n @ gate_e) * (x_n @ up_e)) for every (token, expert)."""
+  g_nxExF = jnp.einsum("nd,edm->nem", x_nxD, gate_ExDxF)
+  u_nxExF = jnp.einsum("nd,edm->nem", x_nxD, up_ExDxF)
+  return jnp.einsum("nem,emd->ned", jax.nn.silu(g_nxExF) * u_nxExF, down_ExFxD)
 
 
-def _dense_dispatch(x_NxD: Array, weights_NxK: Array, indices_NxK: Array, gate_ExDxM: Array,
-                    up_ExDxM: Array, down_ExMxD: Array) -> Array:
+def _dense_dispatch(x_nxD: Array, weights_nxK: Array, indices_nxK: Array, gate_ExDxF: Array,
+                    up_ExDxF: Array, down_ExFxD: Array) -> Array:
   """Reference: all experts on all tokens, y_n = sum_e combine_ne * y_ne.
 
-  combine_NxE = sum_k one_hot(e_nk) * w_nk is zero for unchosen experts. The weight is applied
+  combine_nxE = sum_k one_hot(e_nk) * w_nk is zero for unchosen experts. The weight is applied
   after `down`, as HF does, so the rounding order matches HF and the ragged path.
   """
-  E = gate_ExDxM.shape[0]
-  combine_NxE = jnp.sum(jax.nn.one_hot(indices_NxK, E, dtype=weights_NxK.dtype)
-                        * weights_NxK[:, :, None], axis=1)
-  y_NxExD = _expert_mlp_dense(x_NxD, gate_ExDxM, up_ExDxM, down_ExMxD)
-  return jnp.einsum("ned,ne->nd", y_NxExD, combine_NxE)
+  E = gate_ExDxF.shape[0]
+  combine_nxE = jnp.sum(jax.nn.one_hot(indices_nxK, E, dtype=weights_nxK.dtype)
+                        * weights_nxK[:, :, None], axis=1)
+  y_nxExD = _expert_mlp_dense(x_nxD, gate_ExDxF, up_ExDxF, down_ExFxD)
+  return jnp.einsum("ned,ne->nd", y_nxExD, combine_nxE)
 
 
-def _ragged_dispatch(x_NxD: Array, weights_NxK: Array, indices_NxK: Array, gate_ExDxM: Array,
-                     up_ExDxM: Array, down_ExMxD: Array) -> Array:
-  """Sort the A = N*K assignments by expert, one ragged_dot per weight, unsort, weight-sum.
+def _ragged_dispatch(x_nxD: Array, weights_nxK: Array, indices_nxK: Array, gate_ExDxF: Array,
+                     up_ExDxF: Array, down_ExFxD: Array) -> Array:
+  """Sort the a = n*K assignments by expert, one ragged_dot per weight, unsort, weight-sum.
 
-  Static shapes throughout: the A sorted rows are split into E contiguous groups whose
+  Static shapes throughout: the a sorted rows are split into E contiguous groups whose
   sizes (bincount, length E, zeros allowed) are data, not shapes, so this jits and grads.
   """
-  N, K = indices_NxK.shape
-  E = gate_ExDxM.shape[0]
-  expert_A = indices_NxK.reshape(N * K)
+  n, K = indices_nxK.shape
+  E = gate_ExDxF.shape[0]
+  expert_a = indices_nxK.reshape(n * K)
   # Bad (out-of-range) replay indices cannot shift other tokens' groups: jnp.bincount counts
   # negatives as 0 (they also sort first, into expert 0's group) and drops values >= E (they
   # sort last, past every group, and come out as zero rows). Their NaN weight flags them.
   # Stable sort: within one expert the rows keep token order (deterministic, like HF's loop).
-  order_A = jnp.argsort(expert_A, stable=True)
-  sizes_E = jnp.bincount(expert_A, length=E).astype(jnp.int32)
-  xs_AxD = x_NxD[order_A // K]  # assignment a = n*K + k belongs to token n
-  g_AxM = jax.lax.ragged_dot(xs_AxD, gate_ExDxM, sizes_E)
-  u_AxM = jax.lax.ragged_dot(xs_AxD, up_ExDxM, sizes_E)
-  ys_AxD = jax.lax.ragged_dot(jax.nn.silu(g_AxM) * u_AxM, down_ExMxD, sizes_E)
+  order_a = jnp.argsort(expert_a, stable=True)
+  sizes_E = jnp.bincount(expert_a, length=E).astype(jnp.int32)
+  xs_axD = x_nxD[order_a // K]  # assignment a = n*K + k belongs to token n
+  g_axF = jax.lax.ragged_dot(xs_axD, gate_ExDxF, sizes_E)
+  u_axF = jax.lax.ragged_dot(xs_axD, up_ExDxF, sizes_E)
+  ys_axD = jax.lax.ragged_dot(jax.nn.silu(g_axF) * u_axF, down_ExFxD, sizes_E)
   # Unsort with the inverse permutation (a gather; its gradient is a scatter-add).
-  y_NxKxD = ys_AxD[jnp.argsort(order_A)].reshape(N, K, -1)
-  return jnp.einsum("nkd,nk->nd", y_NxKxD, weights_NxK)
+  y_nxKxD = ys_axD[jnp.argsort(order_a)].reshape(n, K, -1)
+  return jnp.einsum("nkd,nk->nd", y_nxKxD, weights_nxK)
 
 
 _DISPATCH = {"dense": _dense_dispatch, "ragged": _ragged_dispatch}
 
 
-def load_balancing_loss(probs_NxE: Array, indices_NxK: Array, valid_N: Array) -> Array:
+def load_balancing_loss(probs_nxE: Array, indices_nxK: Array, valid_n: Array) -> Array:
   """Switch / HF load balancing E * sum_e f_e * P_e, padding excluded; a float32 scalar.
 
   f_e = (assignments of valid tokens to e) / #valid, P_e = sum of probs over valid tokens / #valid.
@@ -128,12 +128,12 @@ def load_balancing_loss(probs_NxE: Array, indices_NxK: Array, valid_N: Array) ->
   clamped to 1 so a fully padded batch gives 0, not NaN. f_e carries no gradient (it counts),
   so the router learns through P_e. Under Routing Replay f_e counts the replayed (used) experts.
   """
-  E, dtype = probs_NxE.shape[-1], probs_NxE.dtype
-  valid_N = valid_N.astype(dtype)
-  count = jnp.maximum(jnp.sum(valid_N), 1.0)
-  assigned_NxKxE = jax.nn.one_hot(indices_NxK, E, dtype=dtype)
-  f_E = jnp.sum(assigned_NxKxE * valid_N[:, None, None], axis=(0, 1)) / count
-  P_E = jnp.sum(probs_NxE * valid_N[:, None], axis=0) / count
+  E, dtype = probs_nxE.shape[-1], probs_nxE.dtype
+  valid_n = valid_n.astype(dtype)
+  count = jnp.maximum(jnp.sum(valid_n), 1.0)
+  assigned_nxKxE = jax.nn.one_hot(indices_nxK, E, dtype=dtype)
+  f_E = jnp.sum(assigned_nxKxE * valid_n[:, None, None], axis=(0, 1)) / count
+  P_E = jnp.sum(probs_nxE * valid_n[:, None], axis=0) / count
   return (E * jnp.sum(f_E * P_E)).astype(jnp.float32)
 
 
@@ -153,8 +153,8 @@ def _check_replay(replay: Array, shape: tuple[int, int, int], num_experts: int) 
 class MoE(nnx.Module):
   """Qwen3-MoE sparse block: router + E SwiGLU experts, top-K, dropless.
 
-  Parameters (logical axes): router (D, E) ("embed", "expert"); gate, up (E, D, M)
-  ("expert", "embed", "mlp"); down (E, M, D) ("expert", "mlp", "embed"). The router has no
+  Parameters (logical axes): router (D, E) ("embed", "expert"); gate, up (E, D, F)
+  ("expert", "embed", "mlp"); down (E, F, D) ("expert", "mlp", "embed"). The router has no
   bias; there are no shared experts (Qwen2-MoE had them, Qwen3-MoE does not).
   """
 
@@ -169,12 +169,12 @@ class MoE(nnx.Module):
     self.dispatch = cfg.moe_dispatch
     self.dtype = jnp.dtype(cfg.dtype)
     pdtype = jnp.dtype(cfg.param_dtype)
-    D, E, M = cfg.hidden, cfg.num_experts, cfg.moe_mlp_dim
+    D, E, F = cfg.hidden, cfg.num_experts, cfg.moe_mlp_dim
     self.router = param(rngs, (D, E), ("embed", "expert"), pdtype)
     # fan_in is the contracted width, not shape[0] = E (std would be sqrt(D/E) times too big).
-    self.gate = param(rngs, (E, D, M), ("expert", "embed", "mlp"), pdtype, fan_in=D)
-    self.up = param(rngs, (E, D, M), ("expert", "embed", "mlp"), pdtype, fan_in=D)
-    self.down = param(rngs, (E, M, D), ("expert", "mlp", "embed"), pdtype, fan_in=M)
+    self.gate = param(rngs, (E, D, F), ("expert", "embed", "mlp"), pdtype, fan_in=D)
+    self.up = param(rngs, (E, D, F), ("expert", "embed", "mlp"), pdtype, fan_in=D)
+    self.down = param(rngs, (E, F, D), ("expert", "mlp", "embed"), pdtype, fan_in=F)
 
   def __call__(self, x_BxSxD: Array, *, valid_BxS: Array | None = None,
                replay_BxSxK: Array | None = None) -> tuple[Array, Array, Array]:
@@ -189,20 +189,20 @@ class MoE(nnx.Module):
     B, S, D = x_BxSxD.shape
     if D != self.hidden:
       raise ValueError(f"MoE: x_BxSxD last dim must be hidden={self.hidden}; got {D}")
-    K, N = self.experts_per_token, B * S
+    K, n = self.experts_per_token, B * S
     if replay_BxSxK is not None:
       _check_replay(replay_BxSxK, (B, S, K), self.num_experts)
     if valid_BxS is None:
-      valid_N = jnp.ones((N,), bool)
+      valid_n = jnp.ones((n,), bool)
     else:
       _checks.check_shape("MoE", "valid_BxS", valid_BxS, (B, S), "x_BxSxD[..., 0]")
       _checks.check_mask("MoE", "valid_BxS", valid_BxS)
-      valid_N = jnp.asarray(valid_BxS).reshape(N) != 0
-    x_NxD = x_BxSxD.reshape(N, D).astype(self.dtype)
-    replay_NxK = None if replay_BxSxK is None else jnp.asarray(replay_BxSxK).reshape(N, K)
-    weights_NxK, indices_NxK, probs_NxE = route(
-        x_NxD, self.router[...], K, norm_topk_prob=self.norm_topk_prob, replay_NxK=replay_NxK)
+      valid_n = jnp.asarray(valid_BxS).reshape(n) != 0
+    x_nxD = x_BxSxD.reshape(n, D).astype(self.dtype)
+    replay_nxK = None if replay_BxSxK is None else jnp.asarray(replay_BxSxK).reshape(n, K)
+    weights_nxK, indices_nxK, probs_nxE = route(
+        x_nxD, self.router[...], K, norm_topk_prob=self.norm_topk_prob, replay_nxK=replay_nxK)
     experts = [w[...].astype(self.dtype) for w in (self.gate, self.up, self.down)]
-    y_NxD = _DISPATCH[self.dispatch](x_NxD, weights_NxK, indices_NxK, *experts)
-    aux = load_balancing_loss(probs_NxE, indices_NxK, valid_N)
-    return y_NxD.reshape(B, S, D), indices_NxK.reshape(B, S, K), aux
+    y_nxD = _DISPATCH[self.dispatch](x_nxD, weights_nxK, indices_nxK, *experts)
+    aux = load_balancing_loss(probs_nxE, indices_nxK, valid_n)
+    return y_nxD.reshape(B, S, D), indices_nxK.reshape(B, S, K), aux

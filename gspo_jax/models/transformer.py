@@ -1,7 +1,7 @@
 """Decoder-only transformer (Qwen3 dense / MoE, Llama-style without q/k norm) in Flax NNX.
 
-Legend: B rows, G responses per prompt, S positions, P prompt positions, T response
-positions, D hidden, V vocabulary, C kv heads, H head_dim, L layers, K experts per token.
+Shapes: the package legend (docs/shapes.md); B the model's leading axis:
+prompts where a G axis follows, else rows.
 
 Block (pre-norm, as HF Qwen3): x += attn(norm(x)); x += mlp_or_moe(norm(x)); then a final
 norm and the unembedding (the embedding table transposed when tied).

@@ -1,11 +1,11 @@
 """The host side of multi-turn episodes: between the sampler's compiled turns, decode each
 finished turn, ask its environment, tokenize the observations, and resume.
 
-Legend: B prompts, G episodes per prompt, T episode token budget, O observation slots,
-K = max_turns.
+Shapes: the package legend (docs/shapes.md); G counts episodes, T is the
+episode token budget, U = max_turns (`turn_rewards_BxGxK` keeps K for turns).
 
 Outcomes, all counted (`EpisodeResult.counts`), none silent:
-  * the model ends a turn at EOS, or the budget T cuts it, or it is the K-th turn: the
+  * the model ends a turn at EOS, or the budget T cuts it, or it is the U-th turn: the
     environment sees it with `final=True` and the episode ends;
   * the environment returns `observation=None`: the episode ends (`ended_by_env`);
   * an observation longer than O tokens, or one that leaves no slot for a model token
@@ -72,24 +72,24 @@ def run_episodes(start: Callable, resume: Callable, finish: Callable, prompts_Bx
   times). Single-process: the host reads every row."""
   state = start(prompts_BxP, lens_B, key)
   B, G, T = state.tokens_BxGxT.shape
-  R, K, O = B * G, cfg.max_turns, cfg.max_obs_tokens
+  R, U, O = B * G, cfg.max_turns, cfg.max_obs_tokens
   if len(examples) != R:
     raise ValueError(f"run_episodes: {len(examples)} examples for {B} prompts x {G} episodes")
   envs = [env.make(e) for e in examples]
   finished = np.zeros(R, bool)
-  rewards_RxK = np.zeros((R, K), np.float32)
+  rewards_RxU = np.zeros((R, U), np.float32)
   overflow = np.zeros(R, bool)
   counts = dict.fromkeys(COUNTS, 0.0)
-  for k in range(K):
+  for k in range(U):
     paused, done, recorded = (np.asarray(x).reshape(R) for x in
                               jax.device_get((state.paused_BxG, state.done_BxG,
                                               state.recorded_BxG)))
     rows = np.flatnonzero(~finished & (paused | done))
     obs_RxO, obs_len_R, go_R = np.zeros((R, O), np.int32), np.zeros(R, np.int32), np.zeros(R, bool)
     for r, turn_text in zip(rows, _turn_texts(tok, state, rows)):
-      final = bool(done[r]) or k == K - 1
+      final = bool(done[r]) or k == U - 1
       out = env.step(envs[r], examples[r], k, turn_text, final=final)
-      rewards_RxK[r, k] = out.reward
+      rewards_RxU[r, k] = out.reward
       counts["turns"] += 1
       for name, value in out.info.items():
         counts[name] = counts.get(name, 0.0) + float(value)
@@ -110,6 +110,6 @@ def run_episodes(start: Callable, resume: Callable, finish: Callable, prompts_Bx
       break
     shape = lambda x: x.reshape(B, G, *x.shape[1:])
     state = resume(state, lens_B, shape(obs_RxO), shape(obs_len_R), shape(go_R), key)
-  rewards_RxK[overflow] = 0.0
-  return EpisodeResult(finish(state), rewards_RxK.reshape(B, G, K),
-                       rewards_RxK.sum(-1).reshape(B, G), counts)
+  rewards_RxU[overflow] = 0.0
+  return EpisodeResult(finish(state), rewards_RxU.reshape(B, G, U),
+                       rewards_RxU.sum(-1).reshape(B, G), counts)

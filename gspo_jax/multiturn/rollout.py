@@ -1,8 +1,8 @@
 """One rollout of a multi-turn training iteration: prompts -> G episodes each (the model's
 turns and the environment's observations) -> rewards, and the update batch.
 
-Legend: B prompts per iteration, G episodes per prompt, P prompt tokens, T episode token
-budget, K = multiturn.max_turns.
+Shapes: the package legend (docs/shapes.md); G counts episodes, T is
+the episode token budget, U = multiturn.max_turns.
 
 The multi-turn kind of rollout (`Episodes`, `Run.rollout` when `multiturn.env` is set):
 the operations of `gspo_jax.rollout.Groups` for whole episodes. The episodes' model tokens are the batch's mask, so `prepare`

@@ -1,8 +1,8 @@
 """The multi-turn sampler: G episodes per prompt that pause at tool calls, take the
 environment's observation onto the same KV cache, and resume, in static shapes.
 
-Legend: B prompts, G episodes per prompt, P prompt positions, T episode token budget
-(response slots), O observation slots per turn, V vocabulary.
+Shapes: the package legend (docs/shapes.md); G counts episodes, T is
+the episode token budget (response slots), O the observation slots of one turn.
 
 Layout: the group sampler's (`gspo_jax.sampling`), with the whole episode after the prompt
 as one response of T slots: model turns and observations in the order they happened,
