@@ -126,7 +126,9 @@ def make_tokenizer(task, cfg: TrainConfig, run_dir: str):
 def check_prompts(task, tok, cfg: TrainConfig) -> None:
   """Every record of a dataset task, train and held-out, as the model will see it (chat
   template included): ValueError naming the record's file:line when its prompt is empty
-  (blank) or encodes to more than rollout.max_prompt_len tokens. Built-in tasks fit by
+  (blank), cannot be encoded (e.g. a held-out character the task tokenizer, trained on the
+  training text, never saw) or encodes to more than rollout.max_prompt_len tokens.
+  Built-in tasks fit by
   construction. Linear in the records (tests/test_run_dir.py times 100k; the number is
   in docs/training.md)."""
   from gspo_jax.tasks.dataset import SOURCE, DatasetTask
@@ -138,7 +140,11 @@ def check_prompts(task, tok, cfg: TrainConfig) -> None:
     if not example.meta[cfg.task.data.prompt_field].strip():
       raise ValueError(f"{example.meta[SOURCE]}: the prompt ({cfg.task.data.prompt_field!r}) "
                        "is empty")
-    n = len(tok.encode(example.prompt, add_special_tokens=not rendered))
+    try:
+      n = len(tok.encode(example.prompt, add_special_tokens=not rendered))
+    except ValueError as e:
+      raise ValueError(f"{example.meta[SOURCE]}: the prompt cannot be encoded by the run's "
+                       f"tokenizer: {e}") from None
     if n > limit:
       raise ValueError(f"{example.meta[SOURCE]}: the prompt is {n} tokens as the model sees "
                        f"it, longer than rollout.max_prompt_len={limit}: "

@@ -388,6 +388,22 @@ def update(state: TrainState, batch: Batch, rewards_BxG: Array, *, graphdef, tx,
                           mesh=mesh)
 
 
+def _over_live_minibatches(metrics: dict[str, Array]) -> dict[str, Array]:
+  """With truncation="mask" a minibatch can lose every row (all its responses truncated):
+  it trains nothing (`apply_step` skips it), and its loss metrics describe no row. The
+  per-minibatch averages and the ratio range are then over the minibatches that kept a
+  row, and `empty_minibatches` counts the others (an iteration whose every minibatch is
+  empty reports 0 rows and a ratio range of [1, 1])."""
+  live_M = metrics["num_seqs"] > 0
+  n = jnp.maximum(jnp.sum(live_M), 1)
+  out = {k: jnp.sum(jnp.where(live_M, v, 0)) / n for k, v in metrics.items()
+         if not lengths.is_bin_count(k) and k != "skipped_updates" and v.ndim == 1}
+  out["ratio_max"] = jnp.max(jnp.where(live_M, metrics["ratio_max"], 1.0))
+  out["ratio_min"] = jnp.min(jnp.where(live_M, metrics["ratio_min"], 1.0))
+  out["empty_minibatches"] = jnp.sum(~live_M).astype(jnp.float32)
+  return out
+
+
 def _minibatch_steps(state: TrainState, batch: Batch, adv_BxG: Array, extra, *, graphdef, tx,
                      cfg: StepConfig, mesh):
   """`update` after the advantages: the minibatch scan and its metrics summary."""
@@ -400,5 +416,7 @@ def _minibatch_steps(state: TrainState, batch: Batch, adv_BxG: Array, extra, *, 
   summary["skipped_updates"] = jnp.sum(metrics["skipped_updates"])
   summary["ratio_max"] = jnp.max(metrics["ratio_max"])
   summary["ratio_min"] = jnp.min(metrics["ratio_min"])
+  if cfg.truncation == "mask":
+    summary.update(_over_live_minibatches(metrics))
   summary.update(lengths.pool_minibatches(metrics), **extra, **correction)
   return state.replace(params=params, opt_state=opt_state, step=state.step + 1), summary

@@ -230,6 +230,9 @@ def train(cfg: TrainConfig, run_dir: str, *, resume: bool = False, checkpoint_ev
     def on_metrics(step: int, m: dict):
       writer.write(step, m, show=SHOW)
       summary["last"] = m
+      if m.get("skipped_updates", 0) >= cfg.num_minibatches:
+        writer.print(f"step {step}: every minibatch was skipped (no counted token left, or a "
+                     "non-finite loss or gradient): the policy did not change")
 
     reached = iterate(run, start, cfg.iterations, ref_params=ref_params,
                       on_metrics=on_metrics, on_step=on_step)

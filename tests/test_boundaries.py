@@ -365,8 +365,6 @@ def test_cold_start_stops_once_the_probe_accuracy_reaches_the_target(monkeypatch
   steps = []
   checks = iter(accuracies)
   monkeypatch.setattr(coldstart, "supervised_batch", lambda run, examples: None)
-  monkeypatch.setattr(coldstart.evaluate, "evaluate",
-                      lambda run, params, probe: {"accuracy": next(checks)})
   sft = types.SimpleNamespace(steps=8, target_accuracy=target, check_every=2, probe_size=1,
                               batch_size=1)
   run = types.SimpleNamespace(
@@ -376,6 +374,7 @@ def test_cold_start_stops_once_the_probe_accuracy_reaches_the_target(monkeypatch
       programs=types.SimpleNamespace(
           sft_init=lambda p: None,
           sft=lambda p, o, b: (steps.append(1) or p, o, jnp.zeros(()))))
-  coldstart.cold_start(run, log=lambda *a: None)
+  coldstart.cold_start(run, probe_accuracy=lambda params, probe: next(checks),
+                       log=lambda *a: None)
   assert len(steps) == stop_at
 

@@ -234,3 +234,9 @@ def test_word_problem_example_data_reward_and_config(tmp_path):
   cfg = configlib.load_config(os.path.join(root, "configs", "smollm2_word_problems.py"))
   assert cfg.task.name == "dataset" and cfg.task.reward[0].endswith("reward.py:correct")
   assert configlib.from_dict(C.TrainConfig, configlib.to_dict(cfg)) == cfg
+
+
+def test_a_byte_that_is_not_utf8_names_its_line(tmp_path):
+  (tmp_path / "d.jsonl").write_bytes(b'{"prompt": "a"}\n{"prompt": "caf\xe9"}\n')
+  with pytest.raises(ValueError, match=r"d.jsonl:2: not UTF-8 \(byte 0xe9 at column 16\)"):
+    D.read_jsonl(str(tmp_path / "d.jsonl"))

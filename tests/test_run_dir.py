@@ -536,3 +536,23 @@ def test_a_run_saved_before_the_groups_resumes_and_is_rewritten_once(files, full
   assert json.loads((run_dir / "config.json").read_text())["task"] == grouped["task"]
   assert json.loads((run_dir / "config.before_step_6.json").read_text()) == flat
   assert [r["step"] for r in records(run_dir)] == list(range(1, 8))
+
+
+def test_a_prompt_the_tokenizer_cannot_encode_names_its_line(tmp_path):
+  """A held-out character the task tokenizer never saw (it is trained on the training text)
+  makes `encode` refuse; setup's check names the record's file:line."""
+  from gspo_jax.run import check_prompts
+  from gspo_jax.tasks import DatasetTask
+
+  class Refusing:  # as SentencePieceTokenizer.encode refuses what it cannot round-trip
+    def encode(self, text, *, add_special_tokens=False):
+      if "é" in text:
+        raise ValueError("encode: 'é' is not in the vocabulary")
+      return list(text)
+
+  path = tmp_path / "d.jsonl"
+  path.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "café", "answer": "2"}\n')
+  task = DatasetTask(dataset_cfg(path).task.data, ["exact_match"])
+  with pytest.raises(ValueError, match=r"d.jsonl:2: the prompt cannot be encoded by the run's "
+                                       r"tokenizer: encode: 'é' is not"):
+    check_prompts(task, Refusing(), dataset_cfg(path))

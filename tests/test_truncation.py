@@ -385,3 +385,21 @@ def test_length_metrics_are_documented():
   names = ["response_length_p90", "response_frac_len_q1", "clip_frac_token_len_q1",
            "clip_frac_seq_len_q1", "overlong_penalty", "truncated_frac", "response_length_max"]
   assert [n for n in names if n not in doc] == []
+
+
+def test_an_empty_minibatch_is_left_out_of_the_averages_and_counted(policy):
+  """truncation="mask" with share_prompts: each of the 2 minibatches is one group. Every
+  response of group 0 is truncated, so its minibatch has no row and is skipped; the
+  iteration's averages are group 1's alone (not halved by the empty one), and
+  `empty_minibatches` says so. With every response truncated, nothing trains."""
+  cfg = cfg_of(truncation="mask", share_prompts=True, num_minibatches=2)
+  lengths = np.array([[4, 4, 4, 4], [2, 4, 1, 3]])
+  truncated = np.array([[True] * 4, [False] * 4])
+  _, _, m = train_once(cfg, policy, hand_rollout(lengths, truncated), REWARDS)
+  assert m["empty_minibatches"] == 1 and m["skipped_updates"] == 1
+  assert m["num_seqs"] == 4 and m["num_tokens"] == 2 + 4 + 1 + 3
+  _, params, m = train_once(cfg, policy, hand_rollout(np.full((2, 4), 4),
+                                                       np.ones((2, 4), bool)), REWARDS)
+  assert m["empty_minibatches"] == 2 and m["skipped_updates"] == 2 and m["num_seqs"] == 0
+  assert m["ratio_max"] == m["ratio_min"] == 1.0
+  assert all(np.array_equal(a, b) for a, b in zip(leaves(params), leaves(policy[1])))

@@ -71,17 +71,22 @@ class DataConfig:
 def read_jsonl(path: str, prompt_field: str = "prompt") -> list[dict]:
   """The records of a JSONL file, each with its "file:line" under SOURCE.
 
-  Raises ValueError naming the file and line for malformed JSON, a line that is not an
-  object, a missing or non-string prompt field, or a key starting with "_"; and naming the
-  file for a missing or empty file."""
+  Raises ValueError naming the file and line for bytes that are not UTF-8, malformed JSON,
+  a line that is not an object, a missing or non-string prompt field, or a key starting
+  with "_"; and naming the file for a missing or empty file."""
   if not os.path.isfile(path):
     raise ValueError(f"dataset file {path!r} not found")
   records = []
-  with open(path, encoding="utf-8") as f:
-    for n, line in enumerate(f, start=1):
+  with open(path, "rb") as f:  # decoded line by line, so a bad byte is named by its line
+    for n, raw in enumerate(f, start=1):
+      where = f"{path}:{n}"
+      try:
+        line = raw.decode("utf-8")
+      except UnicodeDecodeError as e:
+        raise ValueError(f"{where}: not UTF-8 (byte {raw[e.start]:#04x} at column "
+                         f"{e.start + 1}); JSONL files are read as UTF-8") from None
       if not line.strip():
         continue
-      where = f"{path}:{n}"
       try:
         record = json.loads(line)
       except json.JSONDecodeError as e:
