@@ -81,7 +81,8 @@ class Checkpointer:
               f"{step}.incomplete; using the newest complete one")
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=False,
                                            create=True)
-    self.manager = ocp.CheckpointManager(directory, options=options)
+    self.manager = ocp.CheckpointManager(directory, options=options,
+                                         item_handlers=ocp.StandardCheckpointHandler())
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
@@ -97,6 +98,7 @@ class Checkpointer:
     ValueError naming the step and orbax's error."""
     step = self.latest_step() if step is None else step
     template = jax.tree.map(_to_savable, abstract_state)
+    check_shapes(self.manager, step, template, self.directory)
     try:
       restored = self.manager.restore(step, args=ocp.args.StandardRestore(template))
     except Exception as e:  # noqa: BLE001 - orbax / tensorstore raise many kinds
@@ -133,6 +135,35 @@ class Checkpointer:
   def close(self) -> None:
     self.manager.wait_until_finished()
     self.manager.close()
+
+
+def _path(keys) -> str:
+  return "/".join(str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k)))) for k in keys)
+
+
+def check_shapes(manager, step: int, template, directory: str) -> None:
+  """ValueError naming the arrays whose stored shapes differ from `template`'s, read from
+  the checkpoint's metadata before any data: a restore into the wrong shapes (another
+  model config) fails in orbax's asynchronous reads, which leave tensorstore callbacks that
+  print 'Event loop is closed' tracebacks at exit. Unreadable metadata is left to restore."""
+  try:
+    stored = manager.item_metadata(step)
+    have = {_path(p): tuple(getattr(v, "shape", ()) or ())
+            for p, v in jax.tree_util.tree_flatten_with_path(stored)[0]}
+  except Exception:  # noqa: BLE001 - damaged metadata: restore names it
+    return
+  want = {_path(p): tuple(getattr(v, "shape", ())) for p, v in
+          jax.tree_util.tree_flatten_with_path(template)[0]}
+  differ = [f"{k}: stored {have[k]}, requested {want[k]}" for k in want
+            if k in have and have[k] != want[k]]
+  missing = sorted(set(want) ^ set(have))
+  if differ or missing:
+    lines = differ[:4] + ([f"{len(differ) - 4} more"] if len(differ) > 4 else [])
+    if missing:
+      lines.append(f"arrays in one but not the other: {', '.join(missing[:4])}"
+                   + (" ..." if len(missing) > 4 else ""))
+    raise ValueError(f"checkpoint step {step} in {directory} does not fit the requested "
+                     f"config (another model or optimiser shape): " + "; ".join(lines))
 
 
 def _free_name(path: str) -> str:

@@ -184,7 +184,12 @@ def train(cfg: TrainConfig, run_dir: str, *, resume: bool = False, checkpoint_ev
     evaluate_now = lambda: float("nan") if not held else evaluate.evaluate(
         run, run.state.params, held)["accuracy"]
     if resume and ckpt.latest_step() is not None:
-      start, run.state = ckpt.restore_newest(run.state, log=_log)
+      try:
+        start, run.state = ckpt.restore_newest(run.state, log=_log)
+      except ValueError as e:  # nothing was moved: the requested config does not fit
+        hint = ("" if saved is not None else f"\n{run_dir} has no {rundir.CONFIG} to compare "
+                "the requested config with: resume with the settings the run was started with")
+        raise rundir.RunDirError(f"{e}{hint}") from None
       _log(f"resumed from checkpoint step {start} in {run_dir}")
     else:
       if resume:

@@ -556,3 +556,22 @@ def test_a_prompt_the_tokenizer_cannot_encode_names_its_line(tmp_path):
   with pytest.raises(ValueError, match=r"d.jsonl:2: the prompt cannot be encoded by the run's "
                                        r"tokenizer: encode: 'é' is not"):
     check_prompts(task, Refusing(), dataset_cfg(path))
+
+
+def test_a_resume_without_config_json_into_another_shape_is_one_clear_error(files, full,
+                                                                            tmp_path):
+  """With config.json gone the requested config cannot be compared before restoring; the
+  checkpoint's stored shapes are (from its metadata, before any data is read): the error
+  names the arrays that differ and what to do, and no tensorstore read is left to print
+  'Event loop is closed' at exit. Nothing in the directory is changed."""
+  run_dir = tmp_path / "copy"
+  shutil.copytree(full, run_dir)
+  (run_dir / "config.json").unlink()
+  before = checksums(run_dir)
+  p = cli(files, run_dir, "--resume", "--set", "model.hidden=64", check=False)
+  assert p.returncode == 1, p.stdout + p.stderr
+  assert "does not fit the requested config" in p.stderr
+  assert "params/embed/value: stored (24, 32), requested (24, 64)" in p.stderr
+  assert "has no config.json to compare" in p.stderr
+  assert "Traceback" not in p.stderr and "Event loop is closed" not in p.stderr
+  assert checksums(run_dir) == before
