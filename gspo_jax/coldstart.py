@@ -8,15 +8,18 @@ run's `programs.sft` (params and optimiser state donated).
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 
 from gspo_jax import rng, sharding
 
+if TYPE_CHECKING:  # a type only: the phases do not import the run setup
+  from gspo_jax.run import Run
 
-def supervised_batch(run, examples):
+
+def supervised_batch(run: Run, examples):
   """This process's rows of a global demonstration batch, fed as global arrays:
   (prompts_BxP, lens_B, tokens_BxT, mask_BxT); the solutions as the run's kind of rollout
   writes them (`Run.rollout.demonstrations`)."""
@@ -28,7 +31,7 @@ def supervised_batch(run, examples):
   return tuple(sharding.feed(x, mesh, B) for x in (prompts, lens, tokens, mask))
 
 
-def cold_start(run, *, probe_accuracy: Callable | None = None, log=print):
+def cold_start(run: Run, *, probe_accuracy: Callable | None = None, log=print):
   """Up to `cfg.sft.steps` AdamW steps (warmup-cosine schedule) from `run.state.params`,
   stopping early once `probe_accuracy(params, probe)` (the loop passes greedy accuracy,
   `evaluate.evaluate`) on a probe of train-split problems reaches `cfg.sft.target_accuracy`.

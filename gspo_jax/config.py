@@ -62,7 +62,7 @@ class RolloutConfig:
   # Sample with parameters and activations cast to this dtype ("" = the trainer's): a
   # bfloat16 inference engine next to a float32 trainer (paper section 5.4).
   sampler_dtype: Literal["", "float32", "bfloat16"] = ""
-  # DAPO's dynamic sampling (gspo_jax/dynamic.py): sample this many prompts more than
+  # DAPO's dynamic sampling (gspo_jax/dynamic_sampling.py): sample this many prompts more than
   # prompts_per_iter, and train on prompts_per_iter groups, those whose rewards are not
   # all equal first; 0 = off.
   oversample: int = 0

@@ -28,7 +28,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from gspo_jax import dynamic, lengths, losses, rng, sharding
+from gspo_jax import dynamic_sampling, lengths, losses, rng, sharding
 from gspo_jax.advantages import group_advantages, turn_advantages
 from gspo_jax.optim import current_lr
 from gspo_jax.rollout_correction import (RolloutCorrectionConfig, off_policy_sequence_mask,
@@ -68,7 +68,7 @@ class StepConfig:
   overlong_cache: int = 0
   correction: RolloutCorrectionConfig = RolloutCorrectionConfig()
   # Dynamic sampling: the batch holds more groups than this, the update keeps this many
-  # (`dynamic.select_groups`); 0 = every group of the batch.
+  # (`dynamic_sampling.select_groups`); 0 = every group of the batch.
   keep_groups: int = 0
   turn_credit: bool = False         # multi-turn: per-turn rewards -> per-token advantages
   length_clip_metrics: bool = False  # clip fractions per length quartile
@@ -349,8 +349,9 @@ def update(state: TrainState, batch: Batch, rewards_BxG: Array, *, graphdef, tx,
 
   With `cfg.keep_groups` (DAPO's dynamic sampling, `rollout.oversample`) the batch and
   rewards hold B_s = `rollout.sampled_prompts` groups and the update keeps B =
-  `keep_groups` of them, informative first (`dynamic.select_groups`, after the truncation shaping: a group
-  is judged by the rewards its advantages come from); `degenerate_groups_frac` and
+  `keep_groups` of them, informative first (`dynamic_sampling.select_groups`, after the
+  truncation shaping: a group is judged by the rewards its advantages come from);
+  `degenerate_groups_frac` and
   `dynamic_fill` report what was sampled and what was filled. With `cfg.correction.level`
   the rollout-correction weights and their metrics (`correction_weights`) are the kept
   batch's.
@@ -372,9 +373,9 @@ def update(state: TrainState, batch: Batch, rewards_BxG: Array, *, graphdef, tx,
     extra["overlong_penalty"] = jnp.mean(penalty_BxG)
   valid_BxG = n_BxG > 0 if cfg.truncation == "mask" else None
   if cfg.keep_groups:  # dynamic sampling: B_s groups in, B kept (static shapes)
-    order_B, picked = dynamic.select_groups(rewards_BxG, valid_BxG, cfg.keep_groups)
+    order_B, picked = dynamic_sampling.select_groups(rewards_BxG, valid_BxG, cfg.keep_groups)
     flat = tuple(name for name, kind in ROW_LAYOUT.items() if kind == "flat")
-    batch, rewards_BxG = dynamic.take_groups(batch, order_B, flat), rewards_BxG[order_B]
+    batch, rewards_BxG = dynamic_sampling.take_groups(batch, order_B, flat), rewards_BxG[order_B]
     valid_BxG = None if valid_BxG is None else valid_BxG[order_B]
     extra.update(picked)
   # No NaN check inside the program (a host callback would keep `update` out of the

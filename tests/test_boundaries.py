@@ -20,7 +20,7 @@ import pytest
 from gspo_jax import (
     advantages,
     coldstart,
-    dynamic,
+    dynamic_sampling,
     lengths,
     losses as L,
     optim,
@@ -306,17 +306,17 @@ def test_informative_needs_two_valid_responses_and_any_difference():
   rewards = jnp.asarray([[0.0, 1e-6, 0.0], [0.0, 0.0, 0.0], [0.0, 1.0, 1.0], [0.0, 1.0, 2.0]])
   valid = jnp.asarray([[1, 1, 1], [1, 1, 1], [1, 1, 0], [1, 0, 0]], bool)
   # Row 2: exactly 2 valid with different rewards; row 3: 1 valid.
-  np.testing.assert_array_equal(dynamic.informative_groups(rewards, valid), [1, 0, 1, 0])
+  np.testing.assert_array_equal(dynamic_sampling.informative_groups(rewards, valid), [1, 0, 1, 0])
 
 
 def test_select_groups_keep_bounds():
   rewards = jnp.asarray([[0.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
-  order, m = dynamic.select_groups(rewards, None, 3)       # keep = B_s: allowed
+  order, m = dynamic_sampling.select_groups(rewards, None, 3)       # keep = B_s: allowed
   np.testing.assert_array_equal(order, [1, 0, 2])
   assert float(m["dynamic_fill"]) == pytest.approx(2 / 3)
   for keep in (0, 4):
     with pytest.raises(ValueError, match="keep must be in"):
-      dynamic.select_groups(rewards, None, keep)
+      dynamic_sampling.select_groups(rewards, None, keep)
 
 
 # ------------------------------------------------------------------------------ advantages

@@ -1,4 +1,4 @@
-"""Dynamic sampling (gspo_jax/dynamic.py, `rollout.oversample`): informative groups first in
+"""Dynamic sampling (gspo_jax/dynamic_sampling.py, `rollout.oversample`): informative groups first in
 sampling order, a shortfall filled with degenerate groups and counted, the update equal to
 one on the kept groups alone, one compile whatever the rewards, config and resume rules."""
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gspo_jax import configlib, dynamic, optim, rundir, sharding, step
+from gspo_jax import configlib, dynamic_sampling, optim, rundir, sharding, step
 from gspo_jax import config as C
 from gspo_jax import run as R
 from gspo_jax import train as T
@@ -22,16 +22,16 @@ from tests.test_truncation import MODEL, cfg_of, hand_rollout, leaves, prompts_o
 
 def test_informative_groups_come_first_in_sampling_order():
   rewards = jnp.asarray([[1, 1, 1], [0, 1, 0], [0, 0, 1], [2, 2, 2], [1, 0, 0], [.5, .5, .2]])
-  order, m = dynamic.select_groups(rewards, None, 4)
+  order, m = dynamic_sampling.select_groups(rewards, None, 4)
   np.testing.assert_array_equal(order, [1, 2, 4, 5])        # only informative ones
   assert float(m["dynamic_fill"]) == 0 and float(m["degenerate_groups_frac"]) == pytest.approx(2 / 6)
-  order, _ = dynamic.select_groups(rewards, None, 3)
+  order, _ = dynamic_sampling.select_groups(rewards, None, 3)
   np.testing.assert_array_equal(order, [1, 2, 4])           # the surplus is dropped
 
 
 def test_a_shortfall_is_filled_with_degenerate_groups_and_counted():
   rewards = jnp.asarray([[1, 1, 1], [0, 1, 0], [3, 3, 3], [0, 0, 0], [2, 2, 2], [1, 0, 1]])
-  order, m = dynamic.select_groups(rewards, None, 4)
+  order, m = dynamic_sampling.select_groups(rewards, None, 4)
   np.testing.assert_array_equal(order, [1, 5, 0, 2])        # informative, then the first fill
   assert float(m["dynamic_fill"]) == 0.5 and float(m["degenerate_groups_frac"]) == pytest.approx(4 / 6)
   # With valid responses (truncation="mask"): group 1 keeps one valid response (no baseline),
@@ -39,11 +39,11 @@ def test_a_shortfall_is_filled_with_degenerate_groups_and_counted():
   valid = np.ones((6, 3), bool)
   valid[1] = [True, False, False]
   valid[5] = [True, False, True]
-  assert not np.any(dynamic.informative_groups(rewards, valid))
+  assert not np.any(dynamic_sampling.informative_groups(rewards, valid))
   adv = step.group_advantages(rewards[order], valid_BxG=valid[np.asarray(order)])
   assert not np.any(np.asarray(adv))
   with pytest.raises(ValueError, match="keep must be in"):
-    dynamic.select_groups(rewards, None, 7)
+    dynamic_sampling.select_groups(rewards, None, 7)
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +79,7 @@ def test_the_update_trains_on_the_kept_groups_alone_with_one_compile(policy):
            (np.array([[1, 1, 1, 1], [0, 1, 0, 2], [2, 2, 2, 2]]), [1, 0], 0.5, 2 / 3)]
   for rewards, kept, fill, degenerate in cases:
     params, m = train(dyn, policy, batch, rewards)
-    want, m_want = train(plain, policy, dynamic.take_groups(batch, jnp.asarray(kept)),
+    want, m_want = train(plain, policy, dynamic_sampling.take_groups(batch, jnp.asarray(kept)),
                          rewards[kept])
     for a, b in zip(params, want):
       np.testing.assert_array_equal(a, b)

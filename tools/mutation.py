@@ -405,7 +405,7 @@ MUTANTS: list[Mutant] = [
       "def group_advantages(rewards_BxG: Array, *, eps: float = 1.1e-6,",
       BOUNDS + "test_std_epsilon_default",
       "the std epsilon 10% off verl's 1e-6"),
-    M("informative_one_valid_response", "gspo_jax/dynamic.py",
+    M("informative_one_valid_response", "gspo_jax/dynamic_sampling.py",
       "(jnp.sum(valid, axis=1) >= 2)", "(jnp.sum(valid, axis=1) >= 1)",
       BOUNDS + "test_informative_needs_two_valid_responses_and_any_difference",
       "a group with one valid response counts as informative",

@@ -5,19 +5,20 @@ Shapes: the package legend (docs/shapes.md); G counts episodes, T is
 the episode token budget, U = multiturn.max_turns.
 
 The multi-turn kind of rollout (`Episodes`, `Run.rollout` when `multiturn.env` is set):
-the operations of `gspo_jax.rollout.Groups` for whole episodes. The episodes' model tokens are the batch's mask, so `prepare`
-(pi_old, pi_ref by teacher forcing over the whole episode) and the losses are the
-single-turn ones. The rewards are the environment's: per episode (`multiturn.credit=
-"episode"`: the sum of the turn rewards, one advantage per episode) or per turn ("turn":
-rewards_BxGxK, which the update turns into per-token advantages with the batch's
-`turn_BxGxT`). Single process: the host reads every row between turns.
+the operations of `gspo_jax.rollout.Groups` for whole episodes. The episodes' model tokens
+are the batch's mask, so `prepare` (pi_old, pi_ref by teacher forcing over the whole
+episode) and the losses are the single-turn ones. The rewards are the environment's: per
+episode (`multiturn.credit="episode"`: the sum of the turn rewards, one advantage per
+episode) or per turn ("turn": rewards_BxGxU, which the update turns into per-token
+advantages with the batch's `turn_BxGxT`). Single process: the host reads every row
+between turns.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Callable
+from typing import Any, Callable, TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -29,8 +30,12 @@ from gspo_jax.multiturn import envs
 from gspo_jax.multiturn.episodes import EpisodeResult, run_episodes
 from gspo_jax.rollout import RolloutResult
 
+if TYPE_CHECKING:  # a type only: the phases do not import the run setup
+  from gspo_jax.run import Run
 
-def sample_episodes(run, programs, params, prompts_BxP, lens_B, key, examples) -> EpisodeResult:
+
+def sample_episodes(run: Run, programs, params, prompts_BxP, lens_B, key, examples
+                    ) -> EpisodeResult:
   """Episodes of `programs` (an EpisodePrograms of the run) for this batch of prompts, one
   Example per prompt (each repeated G times for its episodes)."""
   if jax.process_count() > 1:
@@ -51,7 +56,7 @@ def episode_texts(tok, episodes) -> list[str]:
   return text.decode_completions(tok, tokens.reshape(-1, T), shown.reshape(-1, T))
 
 
-def episode_rollout_step(run, params, key, step: int, ref_params=None, log=print
+def episode_rollout_step(run: Run, params, key, step: int, ref_params=None, log=print
                          ) -> RolloutResult:
   """Sample, score and prepare the update batch of iteration `step` (see the module
   docstring); `stats` adds accuracy (the task's `is_correct` on each whole episode), the
@@ -101,10 +106,10 @@ class Episodes:
     rollout, greedy = P.episode_configs(tok, cfg)
     return cls(make(rollout), make(greedy), make)
 
-  def collect(self, run, params, key, step: int, ref_params=None, log=print) -> RolloutResult:
+  def collect(self, run: Run, params, key, step: int, ref_params=None, log=print) -> RolloutResult:
     return episode_rollout_step(run, params, key, step, ref_params, log=log)
 
-  def responder(self, run, n: int | None = None) -> Callable:
+  def responder(self, run: Run, n: int | None = None) -> Callable:
     """Whole episodes; `shown_BxGxT` covers the model's turns and the observations (the task
     scores each episode's text)."""
     if n is None:
@@ -119,7 +124,7 @@ class Episodes:
       return ep.tokens_BxGxT, ep.mask_BxGxT + ep.obs_mask_BxGxT
     return respond
 
-  def demonstrations(self, run, examples):
+  def demonstrations(self, run: Run, examples):
     """Observations in a demonstration condition the model's turns and are not learned."""
     return text.encode_segments(run.tok, [run.task.demonstration_segments(e) for e in examples],
                                 run.cfg.rollout.max_new_tokens)
