@@ -97,6 +97,11 @@ class RolloutConfig:
       raise ValueError(f"rollout.top_p must be in (0, 1]; got {self.top_p}")
     if self.top_k < 0:
       raise ValueError(f"rollout.top_k must be >= 0 (0 = off); got {self.top_k}")
+    rows = self.sampled_prompts * self.group_size
+    if 2 ** self.compact_rows > rows:
+      raise ValueError(f"rollout.compact_rows={self.compact_rows} halves the B*G = {rows} "
+                       f"rows of a rollout below one row: use at most "
+                       f"{rows.bit_length() - 1} halvings")
 
   @property
   def sampled_prompts(self) -> int:

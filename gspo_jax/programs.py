@@ -227,8 +227,9 @@ def episode_configs(tok, cfg: TrainConfig):
   for s in mt.stop_strings:
     ids = tok.encode(s)
     if len(ids) != 1:
-      raise ValueError(f"multiturn.stop_strings: {s!r} is {len(ids)} tokens of this tokenizer "
-                       f"({ids}); a stop string must be exactly one token")
+      raise ValueError(f"multiturn.stop_strings: {s!r} is {len(ids)} tokens of the run's "
+                       f"tokenizer (task.name={cfg.task.name!r}) ({ids}); a stop string must "
+                       "be exactly one token")
     stop_ids.append(ids[0])
   knobs = dict(stop_ids=tuple(stop_ids), max_obs_tokens=mt.max_obs_tokens,
                max_turns=mt.max_turns)

@@ -169,7 +169,10 @@ def train(cfg: TrainConfig, run_dir: str, *, resume: bool = False, checkpoint_ev
   elif resume and steps:
     _log(f"--resume: {run_dir} has checkpoints but no {rundir.CONFIG}: the requested config "
          "cannot be compared with the saved run's")
-  run = setup(cfg, run_dir)
+  try:
+    run = setup(cfg, run_dir)
+  except ValueError as e:  # the config, the data or the tokenizer: named, no traceback
+    raise rundir.RunDirError(f"setup refused the run: {e}") from e
   checkpoint.check_free_space(run_dir, run.state, keep)
   cfg = run.cfg  # with `model` filled in from a pretrained directory
   ckpt = checkpoint.Checkpointer(ckpt_dir, every=checkpoint_every, keep=keep)

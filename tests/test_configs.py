@@ -169,3 +169,14 @@ def test_each_group_checks_itself_naming_its_fields():
   # What crosses groups is the TrainConfig's: a chain's solutions against the rollout.
   with pytest.raises(ValueError, match="rollout.max_new_tokens"):
     TrainConfig(task=config.TaskConfig(name="chain", digits=1, steps=12))
+
+
+def test_compact_rows_is_bounded_by_the_rollout_rows_on_both_sides():
+  """2**compact_rows <= B_s * G: 32 rows take 5 halvings, not 6 (refused when the config is
+  built, naming the field, not by the sampler after the tokenizer and the cold start);
+  oversampled prompts count (64 rows take 6)."""
+  config.RolloutConfig(prompts_per_iter=8, group_size=4, compact_rows=5)
+  with pytest.raises(ValueError, match=r"rollout.compact_rows=6 halves the B\*G = 32 rows .* "
+                                       r"at most 5 halvings"):
+    config.RolloutConfig(prompts_per_iter=8, group_size=4, compact_rows=6)
+  config.RolloutConfig(prompts_per_iter=8, group_size=4, oversample=8, compact_rows=6)

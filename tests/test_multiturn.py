@@ -299,7 +299,8 @@ def test_stop_strings_must_be_single_tokens():
   from gspo_jax import programs
   cfg = C.TrainConfig(multiturn=C.MultiTurnConfig(env="calculator", stop_strings=("/", "<>")),
                       loss=C.LossConfig("gspo_token"))
-  with pytest.raises(ValueError, match=r"multiturn.stop_strings: '<>' is 2 tokens"):
+  with pytest.raises(ValueError, match=r"multiturn.stop_strings: '<>' is 2 tokens of the run's "
+                                       r"tokenizer \(task.name='addition'\)"):
     programs.episode_configs(TOK, cfg)
   rollout, greedy = programs.episode_configs(
       TOK, dataclasses.replace(cfg, multiturn=dataclasses.replace(cfg.multiturn,
