@@ -17,7 +17,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from gspo_jax import config as C
 from gspo_jax import configlib
 from gspo_jax import losses as L
-from tests.test_losses import HAND_A, HAND_L, HAND_M, JUNK, arr, hand_batch, random_batch
+from tests.helpers import HAND_A, HAND_L, JUNK, arr, hand_batch, random_batch
 
 NEW = ("luspo", "sapo", "sapo_seq", "cispo", "gmpo")
 # Hyperparameters at which a random batch of log-ratio scale 0.1-0.3 clips some tokens/rows
@@ -549,7 +549,7 @@ def test_config_takes_each_loss_defaults_and_refuses_what_does_not_apply():
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
   from gspo_jax import run as R
-  from tests.test_train import tiny_cfg
+  from tests.helpers import tiny_cfg
   return R.setup(tiny_cfg(), str(tmp_path_factory.mktemp("run")))
 
 
@@ -557,7 +557,7 @@ def tiny_run(tmp_path_factory):
 @pytest.mark.parametrize("name", NEW)
 def test_one_training_step_of_each_new_loss(tiny_run, name):
   # The train step calls LOSSES[loss.name](flat logp, flat old, adv, mask, **loss.kwargs()).
-  from tests.test_train import leaves, random_rewards, rollout, tiny_cfg
+  from tests.helpers import leaves, random_rewards, rollout, tiny_cfg
   run = tiny_run.reconfigure(tiny_cfg(loss=C.LossConfig(name=name)))
   before = leaves(run.state.params)
   r = rollout(run)

@@ -278,7 +278,7 @@ def test_a_failed_metrics_write_leaves_no_partial_line(tmp_path, monkeypatch):
 
 
 def test_resume_diff_classifies_fields():
-  from tests.test_train import tiny_cfg
+  from tests.helpers import tiny_cfg
   saved = tiny_cfg()
   logs = []
   safe = T.configlib.apply_overrides(saved, ["iterations=9", "eval_every=3",
@@ -371,7 +371,7 @@ def dataset_cfg(path, max_prompt_len=8, **kw):
 def test_dataset_prompts_are_checked_at_start_up_with_file_and_line(tmp_path):
   from gspo_jax.run import check_prompts, with_chat_template
   from gspo_jax.tasks import DatasetTask
-  from tests.test_chat_template import FakeTok  # one token per character, "<s>" is BOS
+  from tests.helpers import FakeTok  # one token per character, "<s>" is BOS
   path = tmp_path / "d.jsonl"
   for lines, match in [(['"1+1="', '"  "'], r"d.jsonl:2: the prompt \('prompt'\) is empty"),
                        (['"1+1="', '""'], r"d.jsonl:2: the prompt \('prompt'\) is empty"),
@@ -481,7 +481,7 @@ def test_a_fresh_start_retrains_a_tokenizer_left_by_a_start_that_never_began(tmp
   # no checkpoint: its tokenizer.model, maybe of another task or vocab, is not the run's.
   from gspo_jax import run as R
   from gspo_jax.tokenizer import SentencePieceTokenizer
-  from tests.test_train import tiny_cfg
+  from tests.helpers import tiny_cfg
   cfg = tiny_cfg()
   task = R.make_task(cfg)
   stale = SentencePieceTokenizer.train([f"{a} apples and {a} pears" for a in range(500)],

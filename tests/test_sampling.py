@@ -6,8 +6,6 @@ tests reuse a few configs (greedy with G=2, BASE) where the group size does not 
 """
 
 import dataclasses
-import functools
-import re
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +17,7 @@ from gspo_jax import sampling
 from gspo_jax.models import config, transformer
 from gspo_jax.sampling import SamplerConfig, sample_groups
 from gspo_jax.teacher_forcing import response_logprobs
+from tests.helpers import compiled_sampler, loop_copies
 
 VOCAB = 64
 EOS = 1
@@ -67,31 +66,6 @@ def test_sampler_logprobs_equal_teacher_forced(which, temperature, model, moe_mo
   mask = np.asarray(r.mask_BxGxT)
   assert mask.sum() > 0
   np.testing.assert_allclose(np.asarray(lp) * mask, r.logp_BxGxT, rtol=1e-5, atol=1e-5)
-
-
-def loop_copies(hlo: str, B: int, G: int, C: int, H: int, slots) -> list[str]:
-  """The copies, inside any loop (every computation but the entry), of arrays shaped like a
-  response KV cache, (..., B, G, C, w, H) or (..., B, G, C, H, w) for w in `slots`: a
-  cache copied per step."""
-  copies, in_entry = [], False
-  for line in hlo.splitlines():
-    if line and not line[0].isspace() and line.rstrip().endswith("{"):
-      in_entry = line.startswith("ENTRY")
-    m = re.search(r"= \w+\[([\d,]+)\]\S* copy\(", line)
-    if m and not in_entry:
-      dims = [int(d) for d in m.group(1).split(",")]
-      if dims[-5:-2] == [B, G, C] and any(dims[-2:] == pair for w in slots
-                                          for pair in ([w, H], [H, w])):
-        copies.append(line.strip())
-  return copies
-
-
-def compiled_sampler(model, prompts, key, cfg):
-  """(the sampler's rollout, its compiled HLO text)."""
-  graphdef, params = nnx.split(model)
-  compiled = jax.jit(functools.partial(sampling.sample, graphdef, cfg=cfg)).lower(
-      params, *prompts, key).compile()
-  return compiled(params, *prompts, key), compiled.as_text()
 
 
 @pytest.mark.parametrize("which", ["dense", "moe"])

@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from gspo_jax import advantages, logprobs, losses
-from tests.test_losses import random_batch
+from tests.helpers import random_batch
 
 MESHES = {
     "rows8": ((8,), ("data",), P("data")),
