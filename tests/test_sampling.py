@@ -1,5 +1,6 @@
 """The in-graph group sampler: log-prob parity with teacher forcing, shared prefix vs
-repeated prompts, EOS/padding, variable prompt lengths, filters, determinism, bad input.
+repeated prompts, EOS/padding, variable prompt lengths, filters, determinism, bad input; the
+recorded log-probs are those of the unfiltered distribution.
 
 Each SamplerConfig (and prompt shape) is a separate cold compile of the whole sampler, so
 tests reuse a few configs (greedy with G=2, BASE) where the group size does not matter.
@@ -289,3 +290,22 @@ def test_entropy_is_that_of_the_tempered_distribution(model, prompts):
                              np.broadcast_to(want[:, None], (3, 4)), rtol=1e-5, atol=1e-5)
   e, m = np.asarray(r.entropy_BxGxT), np.asarray(r.mask_BxGxT)
   assert np.all(e[m == 0] == 0) and np.all(e[m > 0] > 0) and np.all(e <= np.log(VOCAB) + 1e-5)
+
+
+def test_sampler_log_probs_are_of_the_unfiltered_distribution():
+  """The sampler draws from the filtered distribution (here the first 8 of 64 ids) but
+  records the log-probs and entropy of the tempered, unfiltered one, which is what teacher
+  forcing recomputes. All logits 0: every counted token has log-prob -log 64 and entropy
+  log 64 (the filtered distribution would give -log 8 and log 8)."""
+  model = transformer.create(config.tiny(), seed=0)
+  graphdef, state = nnx.split(model)
+  model = nnx.merge(graphdef, jax.tree.map(jnp.zeros_like, state))
+  V = model.cfg.vocab_size
+  cfg = SamplerConfig(group_size=2, max_new_tokens=4, eos_id=1, max_prompt_len=4,
+                      temperature=0.5, vocab_limit=8)
+  out = sample_groups(model, jnp.full((2, 4), 5, jnp.int32), jnp.full((2,), 4, jnp.int32),
+                      jax.random.key(0), cfg)
+  m = np.asarray(out.mask_BxGxT) > 0
+  assert np.asarray(out.tokens_BxGxT)[m].max() < 8
+  np.testing.assert_allclose(np.asarray(out.logp_BxGxT)[m], -np.log(V), rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(out.entropy_BxGxT)[m], np.log(V), rtol=1e-6)
