@@ -66,6 +66,14 @@ def small_cfg(mesh: sharding.MeshConfig) -> C.TrainConfig:
       loss=C.LossConfig(kl_coef=0.05), mesh=mesh)
 
 
+def dataset_cfg(path, max_prompt_len=8, **kw):
+  """A run on the JSONL dataset at `path`, rewarded by exact match."""
+  from gspo_jax.tasks import DataConfig
+  return C.TrainConfig(task=C.TaskConfig(name="dataset", data=DataConfig(train_file=str(path)),
+                                        reward=("exact_match",)),
+                       rollout=C.RolloutConfig(max_prompt_len=max_prompt_len), **kw)
+
+
 # -- rollouts and rewards -------------------------------------------------------------------
 
 def rollout(run, step=0):
