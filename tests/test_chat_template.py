@@ -10,6 +10,7 @@ from gspo_jax import chat, text
 from gspo_jax.config import TaskConfig, TrainConfig
 from gspo_jax.run import with_chat_template
 from gspo_jax.tasks import DataConfig, DatasetTask
+from tests.helpers import FakeTok
 
 # SmolLM2-135M-Instruct's template (tokenizer_config.json), ChatML with a default system turn.
 SMOLLM2 = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
@@ -17,8 +18,6 @@ SMOLLM2 = ("{% for message in messages %}{% if loop.first and messages[0]['role'
            "Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + "
            "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
            "{{ '<|im_start|>assistant\n' }}{% endif %}")
-LLAMA_LIKE = ("{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n"
-              "{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}")
 
 
 def test_chatml_rendering_is_exact():
@@ -30,24 +29,6 @@ def test_chatml_rendering_is_exact():
   assert chat.prompt_renderer(SMOLLM2, system_prompt="Be brief.")("hi") == (
       "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
       "<|im_start|>assistant\n")
-
-
-class FakeTok:
-  """Just what the renderer and encode_prompts read: ids are characters, "<s>" is BOS."""
-  bos_id, eos_id, pad_id = 1, 2, 0
-  bos_token = "<s>"
-  chat_template = LLAMA_LIKE
-
-  def decode(self, ids):
-    return {1: "<s>", 2: "</s>"}[ids[0]]
-
-  def encode(self, text, *, add_special_tokens=False):
-    ids = [self.bos_id] if add_special_tokens else []
-    while text:
-      n = 3 if text.startswith("<s>") else 1  # the BOS text is one token, as in tokenizers
-      ids.append(self.bos_id if n == 3 else 3 + ord(text[0]) % 50)
-      text = text[n:]
-    return ids
 
 
 def test_bos_is_not_doubled():

@@ -15,7 +15,7 @@ from gspo_jax import evaluate
 from gspo_jax import train as T
 from gspo_jax.models.config import tiny
 from gspo_jax import config as C
-from tests.test_train import interrupted_copy
+from tests.helpers import interrupted_copy
 
 
 def write_jsonl(path, records):

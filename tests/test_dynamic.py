@@ -17,7 +17,8 @@ from gspo_jax import train as T
 from gspo_jax.models import transformer
 from gspo_jax.rollout import rollout_step
 from gspo_jax.programs import step_config
-from tests.test_truncation import MODEL, cfg_of, hand_rollout, leaves, prompts_of
+from tests.helpers import TINY_MODEL, correction_cfg, hand_rollout, leaves, prompts_of
+from tests.helpers import hand_cfg as cfg_of
 
 
 def test_informative_groups_come_first_in_sampling_order():
@@ -48,7 +49,7 @@ def test_a_shortfall_is_filled_with_degenerate_groups_and_counted():
 
 @pytest.fixture(scope="module")
 def policy():
-  return nnx.split(transformer.create(MODEL, seed=1), nnx.Param)
+  return nnx.split(transformer.create(TINY_MODEL, seed=1), nnx.Param)
 
 
 @functools.cache
@@ -90,10 +91,9 @@ def test_the_update_trains_on_the_kept_groups_alone_with_one_compile(policy):
 
 
 def test_a_run_samples_the_extra_prompts_and_compiles_its_update_once(tmp_path):
-  from tests.test_rollout_correction_train import cfg_of as run_cfg
   # With the rollout correction on too: its weights are the kept groups' (sampler log-probs
   # selected with their groups).
-  cfg = run_cfg(rollout=C.RolloutConfig(prompts_per_iter=2, group_size=4, max_new_tokens=4,
+  cfg = correction_cfg(rollout=C.RolloutConfig(prompts_per_iter=2, group_size=4, max_new_tokens=4,
                                         max_prompt_len=8, oversample=2))
   assert cfg.rollout_correction.level == "token"
   run = R.setup(cfg, str(tmp_path))

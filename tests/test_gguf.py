@@ -15,7 +15,7 @@ gguf = pytest.importorskip("gguf", reason="the gguf package (requirements.txt) r
 
 from gspo_jax.hf_tokenizer import HFTokenizer, load_tokenizer  # noqa: E402
 from gspo_jax.models import gguf_convert, hf, safetensors_io  # noqa: E402
-from tests.test_hf import FIXTURES, logits  # noqa: E402
+from tests.helpers import FIXTURES, logits  # noqa: E402
 
 LLAMA = os.path.join(FIXTURES, "llama")
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

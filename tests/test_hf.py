@@ -16,26 +16,13 @@ from flax import nnx
 from gspo_jax import sharding
 from gspo_jax.models import hf, safetensors_io
 from gspo_jax.models.config import tiny, tiny_moe
+from tests.helpers import FIXTURES, logits
 
-FIXTURES = os.path.join(os.path.dirname(__file__), "data", "hf_fixtures")
 CASES = ["qwen3_untied", "qwen3_tied", "qwen3_sharded", "qwen3_moe", "qwen3_moe_nonorm", "llama"]
 
 
 def fixture(case):
   return os.path.join(FIXTURES, case)
-
-
-@jax.jit
-def _forward(graphdef, state, ids):
-  model = nnx.merge(graphdef, state)
-  pos = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
-  return model.logits(model(ids, pos).hidden_BxSxD)
-
-
-def logits(model, ids):
-  graphdef, state = nnx.split(model)
-  return np.asarray(jax.jit(_forward.__wrapped__, static_argnums=0)(graphdef, state,
-                                                                   jnp.asarray(ids, jnp.int32)))
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -22,33 +22,13 @@ import numpy as np
 import pytest
 
 from gspo_jax import losses as L
+from tests.helpers import HAND_A, HAND_M, JUNK, arr, hand_batch, random_batch
 
 LOSSES = {
     "gspo": L.gspo_loss,
     "gspo_token": L.gspo_token_loss,
     "grpo": L.grpo_loss,
 }
-
-
-def arr(x, dtype):
-  return jnp.asarray(np.asarray(x, dtype))
-
-
-def random_batch(seed, dtype, B=6, T=7, scale=0.05, prefix=True, empty_rows=()):
-  """logp, old_logp, adv_B, mask; log-ratios ~ N(0, scale)."""
-  rng = np.random.default_rng(seed)
-  logp = -rng.uniform(0.1, 3.0, (B, T))
-  old = logp - rng.normal(0.0, scale, (B, T))
-  adv = rng.normal(0.0, 1.0, B)
-  if prefix:
-    lengths = rng.integers(1, T + 1, B)
-    mask = (np.arange(T)[None, :] < lengths[:, None]).astype(np.float32)
-  else:
-    mask = (rng.uniform(size=(B, T)) < 0.6).astype(np.float32)
-    mask[:, 0] = 1
-  for i in empty_rows:
-    mask[i] = 0
-  return arr(logp, dtype), arr(old, dtype), arr(adv, dtype), jnp.asarray(mask)
 
 
 @functools.partial(jax.jit, static_argnames=("names", "static"))
@@ -86,23 +66,14 @@ seq_log_ratio = jax.jit(L.sequence_log_ratio)
 
 # ---------------------------------------------------------------- hand-derived values
 
-# Shared hand batch, eps_low = eps_high = 0.2, clip range [0.8, 1.2]. Token log-ratios
-# l = logp - old_logp ("*" = masked junk):
+# The hand batch (tests/helpers.py hand_batch), eps_low = eps_high = 0.2, clip range
+# [0.8, 1.2]. Token log-ratios l = logp - old_logp ("*" = masked junk):
 #   row 0: l = [0.1, -0.2, 0.4], A = +1,   n = 3
 #   row 1: l = [0.3, *, *],      A = -1,   n = 1
 #   row 2: l = [-0.3, -0.3, *],  A = -2,   n = 2
 #   row 3: l = [0.5, 0.5, 0.5],  A = +0.5, n = 3
 #   row 4: empty,                A = +3,   n = 0   (excluded: N = 4)
-HAND_L = [[0.1, -0.2, 0.4], [0.3, 7.0, -9.0], [-0.3, -0.3, 5.0], [0.5, 0.5, 0.5], [1.0, 2.0, 3.0]]
-HAND_M = [[1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 1, 1], [0, 0, 0]]
-HAND_A = [1.0, -1.0, -2.0, 0.5, 3.0]
 EPS = dict(eps_low=0.2, eps_high=0.2)
-
-
-def hand_batch(dtype):
-  logp = np.full((5, 3), -1.5) + np.array(HAND_L)
-  old = np.full((5, 3), -1.5)
-  return arr(logp, dtype), arr(old, dtype), arr(HAND_A, dtype), jnp.asarray(HAND_M, jnp.float32)
 
 
 def test_gspo_hand_values(dtype, tol):
@@ -283,9 +254,6 @@ def test_gspo_gradient_closed_form_with_clipping(seed, dtype, tol):
   assert clipped.any() and (~clipped & (n > 0)).any()
   expected = -m * (np.where(clipped, 0.0, s * a_) / (N * np.maximum(n, 1)))[:, None]
   np.testing.assert_allclose(g, expected, **tol)
-
-
-JUNK = [np.nan, np.inf, -np.inf, 1e30, -7.0]
 
 
 @pytest.mark.parametrize("name", list(LOSSES))

@@ -14,35 +14,21 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gspo_jax import configlib, rundir, sharding, step
+from gspo_jax import configlib, rundir, step
 from gspo_jax import config as C
 from gspo_jax import run as R
 from gspo_jax import train as T
-from gspo_jax.models.config import tiny
 from gspo_jax.rollout import rollout_step
 from gspo_jax.programs import step_config
 from tests import adam_bounds
+from tests.helpers import correction_cfg as cfg_of, leaves
 
 RC = C.RolloutCorrectionConfig
-
-
-def cfg_of(**kw) -> C.TrainConfig:
-  base = dict(
-      model=tiny(vocab_size=24, hidden=32, mlp_dim=64, num_heads=2, num_kv_heads=1, head_dim=16),
-      rollout=C.RolloutConfig(prompts_per_iter=4, group_size=4, max_new_tokens=4, max_prompt_len=8),
-      sft=C.SFTConfig(steps=0), optim=C.OptimConfig(learning_rate=1e-2),
-      iterations=1, eval_every=0, eval_size=8, num_minibatches=2,
-      rollout_correction=RC(level="token"), mesh=sharding.MeshConfig(num_devices=1))
-  return C.TrainConfig(**{**base, **kw})
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
   return R.setup(cfg_of(), str(tmp_path_factory.mktemp("mismatch")))
-
-
-def leaves(tree):
-  return [np.asarray(x) for x in jax.tree.leaves(tree)]
 
 
 def flat(x):

@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
@@ -23,14 +22,15 @@ from gspo_jax import config as C
 from gspo_jax import train as T
 from gspo_jax.models.config import tiny
 from gspo_jax.sharding import MeshConfig
+from tests.helpers import dataset_cfg
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 CONFIG = f"""
 import sys
-sys.path.insert(0, {HERE!r})
-from test_train import tiny_cfg
+sys.path.insert(0, {ROOT!r})
+from tests.helpers import tiny_cfg
 from gspo_jax import config as C
 
 def get_config(arg=None):
@@ -278,7 +278,7 @@ def test_a_failed_metrics_write_leaves_no_partial_line(tmp_path, monkeypatch):
 
 
 def test_resume_diff_classifies_fields():
-  from tests.test_train import tiny_cfg
+  from tests.helpers import tiny_cfg
   saved = tiny_cfg()
   logs = []
   safe = T.configlib.apply_overrides(saved, ["iterations=9", "eval_every=3",
@@ -361,37 +361,6 @@ def test_generate_temperature_0_is_greedy(monkeypatch):
     generate.main(["--model", "x", "--prompt", "a", "--temperature", "-0.5"])
 
 
-def dataset_cfg(path, max_prompt_len=8, **kw):
-  from gspo_jax.tasks import DataConfig
-  return C.TrainConfig(task=C.TaskConfig(name="dataset", data=DataConfig(train_file=str(path)),
-                                        reward=("exact_match",)),
-                       rollout=C.RolloutConfig(max_prompt_len=max_prompt_len), **kw)
-
-
-def test_dataset_prompts_are_checked_at_start_up_with_file_and_line(tmp_path):
-  from gspo_jax.run import check_prompts, with_chat_template
-  from gspo_jax.tasks import DatasetTask
-  from tests.test_chat_template import FakeTok  # one token per character, "<s>" is BOS
-  path = tmp_path / "d.jsonl"
-  for lines, match in [(['"1+1="', '"  "'], r"d.jsonl:2: the prompt \('prompt'\) is empty"),
-                       (['"1+1="', '""'], r"d.jsonl:2: the prompt \('prompt'\) is empty"),
-                       (['"1+1="', '"2+2="', '"1234567890"'],
-                        r"d.jsonl:3: the prompt is 11 tokens .* rollout.max_prompt_len=8")]:
-    path.write_text("".join(f'{{"prompt": {p}, "answer": "2"}}\n' for p in lines))
-    task = DatasetTask(dataset_cfg(path).task.data, ["exact_match"])
-    with pytest.raises(ValueError, match=match):
-      check_prompts(task, FakeTok(), dataset_cfg(path))
-  # As the model sees it: "12345" fits (6 tokens with BOS), its chat rendering does not.
-  path.write_text('{"prompt": "12345", "answer": "2"}\n')
-  task = DatasetTask(dataset_cfg(path).task.data, ["exact_match"])
-  check_prompts(task, FakeTok(), dataset_cfg(path))
-  pretrained = dataset_cfg(path, pretrained="some/dir")
-  rendered = with_chat_template(task, FakeTok(), pretrained)
-  with pytest.raises(ValueError, match=r"d.jsonl:1: the prompt is 26 tokens"):
-    check_prompts(rendered, FakeTok(), pretrained)
-  check_prompts(rendered, FakeTok(), dataset_cfg(path, 26, pretrained="some/dir"))
-
-
 def test_a_too_long_dataset_prompt_stops_the_run_before_any_work(tmp_path):
   path = tmp_path / "d.jsonl"
   records = [{"prompt": f"{a}+{a}=", "answer": str(2 * a)} for a in range(40)]
@@ -403,29 +372,6 @@ def test_a_too_long_dataset_prompt_stops_the_run_before_any_work(tmp_path):
   with pytest.raises(ValueError, match=rf"{path}:41: the prompt is \d+ tokens"):
     T.train(cfg, str(run_dir), progress=False)
   assert not (run_dir / "checkpoints").exists() and not (run_dir / "config.json").exists()
-
-
-def test_checking_100k_dataset_prompts_is_fast(tmp_path):
-  from gspo_jax.run import check_prompts
-  from gspo_jax.tasks import DatasetTask
-  from gspo_jax.tokenizer import SentencePieceTokenizer
-  n = 100_000
-  path = tmp_path / "d.jsonl"
-  with open(path, "w") as f:
-    for a in range(n - 1):
-      f.write(json.dumps({"prompt": f"{a % 997}+{a % 89}=", "answer": str(a % 997 + a % 89)}))
-      f.write("\n")
-    f.write('{"prompt": "123456789+987654321+123456789=", "answer": "0"}\n')
-  t0 = time.perf_counter()
-  task = DatasetTask(dataset_cfg(path).task.data, ["exact_match"])
-  t1 = time.perf_counter()
-  tok = SentencePieceTokenizer.train(task.corpus(None, 2000)[:2000], vocab_size=32)
-  t2 = time.perf_counter()
-  with pytest.raises(ValueError, match=rf"d.jsonl:{n}: the prompt is \d+ tokens"):
-    check_prompts(task, tok, dataset_cfg(path, max_prompt_len=16))
-  t3 = time.perf_counter()
-  print(f"\n{n} records: read {t1 - t0:.2f} s, tokenized and checked {t3 - t2:.2f} s")
-  assert t3 - t2 < 30  # about 1 s on this project's 2-core machine
 
 
 def test_ctrl_c_saves_at_the_next_boundary_and_says_how_to_resume(files, tmp_path, monkeypatch,
@@ -481,7 +427,7 @@ def test_a_fresh_start_retrains_a_tokenizer_left_by_a_start_that_never_began(tmp
   # no checkpoint: its tokenizer.model, maybe of another task or vocab, is not the run's.
   from gspo_jax import run as R
   from gspo_jax.tokenizer import SentencePieceTokenizer
-  from tests.test_train import tiny_cfg
+  from tests.helpers import tiny_cfg
   cfg = tiny_cfg()
   task = R.make_task(cfg)
   stale = SentencePieceTokenizer.train([f"{a} apples and {a} pears" for a in range(500)],

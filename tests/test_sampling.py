@@ -1,13 +1,12 @@
 """The in-graph group sampler: log-prob parity with teacher forcing, shared prefix vs
-repeated prompts, EOS/padding, variable prompt lengths, filters, determinism, bad input.
+repeated prompts, EOS/padding, variable prompt lengths, filters, determinism, bad input; the
+recorded log-probs are those of the unfiltered distribution.
 
 Each SamplerConfig (and prompt shape) is a separate cold compile of the whole sampler, so
 tests reuse a few configs (greedy with G=2, BASE) where the group size does not matter.
 """
 
 import dataclasses
-import functools
-import re
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +18,7 @@ from gspo_jax import sampling
 from gspo_jax.models import config, transformer
 from gspo_jax.sampling import SamplerConfig, sample_groups
 from gspo_jax.teacher_forcing import response_logprobs
+from tests.helpers import compiled_sampler, loop_copies
 
 VOCAB = 64
 EOS = 1
@@ -67,31 +67,6 @@ def test_sampler_logprobs_equal_teacher_forced(which, temperature, model, moe_mo
   mask = np.asarray(r.mask_BxGxT)
   assert mask.sum() > 0
   np.testing.assert_allclose(np.asarray(lp) * mask, r.logp_BxGxT, rtol=1e-5, atol=1e-5)
-
-
-def loop_copies(hlo: str, B: int, G: int, C: int, H: int, slots) -> list[str]:
-  """The copies, inside any loop (every computation but the entry), of arrays shaped like a
-  response KV cache, (..., B, G, C, w, H) or (..., B, G, C, H, w) for w in `slots`: a
-  cache copied per step."""
-  copies, in_entry = [], False
-  for line in hlo.splitlines():
-    if line and not line[0].isspace() and line.rstrip().endswith("{"):
-      in_entry = line.startswith("ENTRY")
-    m = re.search(r"= \w+\[([\d,]+)\]\S* copy\(", line)
-    if m and not in_entry:
-      dims = [int(d) for d in m.group(1).split(",")]
-      if dims[-5:-2] == [B, G, C] and any(dims[-2:] == pair for w in slots
-                                          for pair in ([w, H], [H, w])):
-        copies.append(line.strip())
-  return copies
-
-
-def compiled_sampler(model, prompts, key, cfg):
-  """(the sampler's rollout, its compiled HLO text)."""
-  graphdef, params = nnx.split(model)
-  compiled = jax.jit(functools.partial(sampling.sample, graphdef, cfg=cfg)).lower(
-      params, *prompts, key).compile()
-  return compiled(params, *prompts, key), compiled.as_text()
 
 
 @pytest.mark.parametrize("which", ["dense", "moe"])
@@ -315,3 +290,22 @@ def test_entropy_is_that_of_the_tempered_distribution(model, prompts):
                              np.broadcast_to(want[:, None], (3, 4)), rtol=1e-5, atol=1e-5)
   e, m = np.asarray(r.entropy_BxGxT), np.asarray(r.mask_BxGxT)
   assert np.all(e[m == 0] == 0) and np.all(e[m > 0] > 0) and np.all(e <= np.log(VOCAB) + 1e-5)
+
+
+def test_sampler_log_probs_are_of_the_unfiltered_distribution():
+  """The sampler draws from the filtered distribution (here the first 8 of 64 ids) but
+  records the log-probs and entropy of the tempered, unfiltered one, which is what teacher
+  forcing recomputes. All logits 0: every counted token has log-prob -log 64 and entropy
+  log 64 (the filtered distribution would give -log 8 and log 8)."""
+  model = transformer.create(config.tiny(), seed=0)
+  graphdef, state = nnx.split(model)
+  model = nnx.merge(graphdef, jax.tree.map(jnp.zeros_like, state))
+  V = model.cfg.vocab_size
+  cfg = SamplerConfig(group_size=2, max_new_tokens=4, eos_id=1, max_prompt_len=4,
+                      temperature=0.5, vocab_limit=8)
+  out = sample_groups(model, jnp.full((2, 4), 5, jnp.int32), jnp.full((2,), 4, jnp.int32),
+                      jax.random.key(0), cfg)
+  m = np.asarray(out.mask_BxGxT) > 0
+  assert np.asarray(out.tokens_BxGxT)[m].max() < 8
+  np.testing.assert_allclose(np.asarray(out.logp_BxGxT)[m], -np.log(V), rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(out.entropy_BxGxT)[m], np.log(V), rtol=1e-6)

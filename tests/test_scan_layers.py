@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 from gspo_jax import sampling, sharding
 from gspo_jax.models import config, hf, transformer
 from gspo_jax.models.transformer import Transformer
-from tests.test_sampling import compiled_sampler, loop_copies
+from tests.helpers import compiled_sampler, loop_copies
 
 TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 9)), jnp.int32)
 POS = jnp.broadcast_to(jnp.arange(9), (2, 9))

@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from gspo_jax import advantages, logprobs, losses
-from tests.test_losses import random_batch
+from tests.helpers import random_batch
 
 MESHES = {
     "rows8": ((8,), ("data",), P("data")),
@@ -24,7 +24,7 @@ def make(shape, names):
 
 
 # The losses beside GSPO, token weights and the rollout corrections are checked on 8
-# devices in tests/test_losses_after.py (one program for all of them).
+# devices in tests/test_variant_losses.py (one program for all of them).
 @pytest.mark.parametrize("name", ["gspo", "gspo_token", "grpo", "kl"])
 def test_sharded_loss_and_grad_equal_single_device(name, dtype, tol):
   # Every mesh of MESHES against one single-device reference (compiled once, not per mesh).

@@ -20,35 +20,18 @@ from gspo_jax import programs
 from gspo_jax import run as R
 from gspo_jax.rollout import rollout_step
 from tests import adam_bounds
+from tests.helpers import host, random_rewards_BxG, small_cfg
 
 ROWS = ("data", "fsdp")
 MESHES = {"data8": sharding.MeshConfig(data=8), "fsdp8": sharding.MeshConfig(data=1, fsdp=8),
           "2x2x2": sharding.MeshConfig(data=2, fsdp=2, tensor=2)}
 
 
-def small_cfg(mesh: sharding.MeshConfig) -> C.TrainConfig:
-  # Every sharded dimension divides by 8 (fsdp) or 2 (tensor); 8 prompts x 4 = 32 rows,
-  # 2 minibatches of 16 rows.
-  return C.TrainConfig(
-      model=config.tiny(vocab_size=24, hidden=32, mlp_dim=64, num_heads=2, num_kv_heads=2,
-                        head_dim=16),
-      rollout=C.RolloutConfig(prompts_per_iter=8, group_size=4, max_new_tokens=4,
-                              max_prompt_len=8),
-      sft=C.SFTConfig(steps=0), optim=C.OptimConfig(learning_rate=1e-3), num_minibatches=2,
-      loss=C.LossConfig(kl_coef=0.05), mesh=mesh)
-
-
-def random_rewards(rows: int, group: int):
-  """The untrained policy earns reward 0 everywhere: random rewards give the update a
-  gradient (advantages are normalised from them inside the update)."""
-  return np.random.default_rng(0).normal(size=(rows, group)).astype(np.float32)
-
-
 def one_step(run):
   """Rollout -> prepare (pi_old, pi_ref) -> update (advantages inside)."""
   r = rollout_step(run, run.state.params, run.state.key, 0,
                    ref_params=jax.tree.map(jnp.copy, run.state.params))
-  rewards = sharding.feed(random_rewards(*r.rewards_BxG.shape), run.layout.mesh,
+  rewards = sharding.feed(random_rewards_BxG(*r.rewards_BxG.shape), run.layout.mesh,
                           r.rewards_BxG.shape[0])
   rollout = sample(run)
   state, metrics = run.programs.update(jax.tree.map(jnp.copy, run.state), r.batch, rewards)
@@ -74,10 +57,6 @@ def run_dir(tmp_path_factory):
 def reference(run_dir):
   run = R.setup(small_cfg(sharding.MeshConfig(num_devices=1)), run_dir)
   return run, one_step(run)
-
-
-def host(x):
-  return np.asarray(jax.device_get(x))
 
 
 def assert_trees_close(got, want, rtol=1e-5, atol=1e-6):

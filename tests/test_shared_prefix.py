@@ -127,7 +127,7 @@ def test_training_step_with_shared_prompts_equals_unshared_and_sharded(tmp_path)
   span two devices)."""
   from gspo_jax import sharding
   from gspo_jax.rollout import rollout_step
-  from tests.test_sharded_train import host, random_rewards, small_cfg
+  from tests.helpers import host, random_rewards_BxG, small_cfg
 
   def one_step(mesh, share):
     cfg = dataclasses.replace(small_cfg(mesh), num_minibatches=1, share_prompts=share)
@@ -135,7 +135,7 @@ def test_training_step_with_shared_prompts_equals_unshared_and_sharded(tmp_path)
     r = rollout_step(run, run.state.params, run.state.key, 0,
                      ref_params=jax.tree.map(jnp.copy, run.state.params))
     B, G = r.rewards_BxG.shape
-    rewards = sharding.feed(random_rewards(B, G), run.layout.mesh, B)
+    rewards = sharding.feed(random_rewards_BxG(B, G), run.layout.mesh, B)
     state, metrics = run.programs.update(jax.tree.map(jnp.copy, run.state), r.batch, rewards)
     return r.batch, state, metrics
 

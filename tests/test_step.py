@@ -1,19 +1,26 @@
-"""The train step's seams (gspo_jax/step.py): the minibatch split is a tree map over every
-Batch field (none is dropped, each is taken with its own rows), a Batch field added in one
-place reaches the minibatch loss split by rows on an 8-device mesh, and the StepConfig the
-programs are built with resolves the loss and its hyperparameters once."""
+"""The train step (gspo_jax/step.py). Its seams: the minibatch split is a tree map over
+every Batch field (none is dropped, each is taken with its own rows), a Batch field added
+in one place reaches the minibatch loss split by rows on an 8-device mesh, a reference
+without a KL term is an error. Its contracts, each of which tools/mutation.py once found
+a one-line bug in that every other test passed: which log-probs become pi_old (dense and
+MoE with tracked routing), the sign of the KL term, the direction of the cold start's loss
+(tiny models, pure functions under jit, no run directory)."""
 
 import dataclasses
+import functools
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from gspo_jax import config as C
-from gspo_jax import losses, sharding, step
+from gspo_jax import losses, optim, sampling, sharding, step
+from gspo_jax.models import transformer
+from gspo_jax.models.config import tiny, tiny_moe
 from gspo_jax.programs import step_config
 
 B, G, T, PL, S, K = 4, 2, 3, 5, 8, 2   # prompts, group, response, prompt len, MoE positions, top-k
@@ -107,22 +114,6 @@ def test_a_new_batch_field_reaches_the_minibatch_loss_split_by_rows():
       split.sharding
 
 
-def test_step_config_binds_the_loss_and_its_hyperparameters_once():
-  """`programs.step_config` resolves the loss by name with the config's hyperparameters over
-  the loss's defaults, the KL term only with kl_coef > 0, dynamic sampling's kept groups."""
-  base = C.TrainConfig(loss=C.LossConfig(name="grpo", eps_high=0.3, kl_coef=0.1),
-                       rollout=C.RolloutConfig(prompts_per_iter=4, group_size=2, oversample=2),
-                       num_minibatches=2)
-  sc = step_config(base)
-  assert sc.loss.func is losses.grpo_loss
-  assert sc.loss.keywords == {"eps_low": 0.2, "eps_high": 0.3,
-                              "aggregation": "seq-mean-token-mean"}
-  assert sc.kl == step.KLTerm(0.1, "k3", "seq-mean-token-mean")
-  assert sc.keep_groups == 4 and sc.num_minibatches == 2
-  plain = step_config(C.TrainConfig())
-  assert plain.kl is None and plain.keep_groups == 0 and plain.loss.func is losses.gspo_loss
-
-
 def test_a_reference_without_a_kl_term_is_an_error():
   """pi_ref's log-probs in a minibatch with no KL term configured would be silently ignored:
   the step refuses it instead."""
@@ -130,3 +121,112 @@ def test_a_reference_without_a_kl_term_is_an_error():
   mb = step.Minibatch(batch, jnp.zeros((B, G)))
   with pytest.raises(ValueError, match="StepConfig.kl"):
     jax.eval_shape(lambda mb: step.minibatch_loss(None, None, mb, cfg()), mb)
+
+
+# -- contracts: pi_old, tracked routing, the KL term, the cold start ----------------------
+
+MODEL = tiny(vocab_size=24, hidden=32, mlp_dim=64, num_heads=2, num_kv_heads=1, head_dim=16,
+             num_layers=1)
+RB, RG, RT, RP = 2, 4, 4, 3   # prompts, group, response, prompt len
+
+
+def train_cfg(**kw) -> C.TrainConfig:
+  return C.TrainConfig(**{**dict(model=MODEL, rollout=C.RolloutConfig(
+      prompts_per_iter=RB, group_size=RG, max_new_tokens=RT, max_prompt_len=RP),
+      sft=C.SFTConfig(steps=0), num_minibatches=1), **kw})
+
+
+@pytest.fixture(scope="module")
+def setting():
+  graphdef, params = nnx.split(transformer.create(MODEL, seed=4), nnx.Param)
+  rng = np.random.default_rng(1)
+  prompts = jnp.asarray(rng.integers(2, MODEL.vocab_size, (RB, RP)), jnp.int32)
+  lens = jnp.asarray([RP, 2], jnp.int32)
+  tokens = jnp.asarray(rng.integers(2, MODEL.vocab_size, (RB, RG, RT)), jnp.int32)
+  lengths = jnp.asarray(rng.integers(1, RT + 1, (RB, RG)), jnp.int32)
+  mask = (jnp.arange(RT)[None, None, :] < lengths[..., None]).astype(jnp.float32)
+  return graphdef, params, prompts, lens, tokens, mask
+
+
+def trainer_logprobs(setting):
+  graphdef, params, prompts, lens, tokens, mask = setting
+  rows = step.Batch(prompts, lens, tokens, mask, jnp.zeros_like(mask))
+  fn = jax.jit(functools.partial(step.policy_logprobs, graphdef=graphdef,
+                                 cfg=step_config(train_cfg())))
+  return np.asarray(fn(params, rows=rows)[0])
+
+
+def sampler_rollout(tokens, mask):
+  """A rollout whose log-probs are not the trainer's (as a bf16 inference engine's are
+  not): a constant -1 on counted tokens."""
+  return sampling.Rollout(tokens, mask, jnp.full(mask.shape, -1.0) * mask, jnp.zeros_like(mask),
+                          jnp.sum(mask, -1).astype(jnp.int32), jnp.ones((RB, RG), bool),
+                          jnp.zeros((RB, RG), bool), jnp.asarray(RT, jnp.int32))
+
+
+@pytest.mark.parametrize("old_logp", ["recompute", "sampler"])
+def test_pi_old_is_the_trainers_recomputation_or_the_samplers_as_configured(setting, old_logp):
+  """"recompute" makes pi_old the trainer's teacher-forced log-probs, "sampler" the
+  sampler's; masked positions are 0 in both."""
+  graphdef, params, prompts, lens, tokens, mask = setting
+  rollout = sampler_rollout(tokens, mask)
+  sampler_logp = rollout.logp_BxGxT
+  prepare = jax.jit(functools.partial(step.prepare, graphdef=graphdef,
+                                      cfg=step_config(train_cfg(old_logp=old_logp))))
+  old = np.asarray(prepare(params, None, rollout, prompts, lens).old_logp_BxGxT)
+  want = trainer_logprobs(setting) * np.asarray(mask) if old_logp == "recompute" else \
+      np.asarray(sampler_logp)
+  np.testing.assert_allclose(old, want, rtol=1e-5, atol=1e-6)
+  assert not np.allclose(trainer_logprobs(setting) * np.asarray(mask), sampler_logp)
+
+
+def test_tracked_routing_keeps_the_samplers_pi_old_when_configured(setting):
+  """routing="track" needs the trainer's forward (for pi_old's expert choices) even when
+  pi_old's log-probs are the sampler's: that forward's log-probs must not replace them."""
+  _, _, prompts, lens, tokens, mask = setting
+  moe = tiny_moe(vocab_size=24, hidden=32, mlp_dim=64, moe_mlp_dim=16, num_heads=2,
+                 num_kv_heads=1, head_dim=16, num_layers=1)
+  graphdef, params = nnx.split(transformer.create(moe, seed=5), nnx.Param)
+  rollout = sampler_rollout(tokens, mask)
+  cfg = train_cfg(model=moe, routing="track", old_logp="sampler")
+  batch = jax.jit(functools.partial(step.prepare, graphdef=graphdef, cfg=step_config(cfg)))(
+      params, None, rollout, prompts, lens)
+  np.testing.assert_array_equal(batch.old_logp_BxGxT, rollout.logp_BxGxT)
+  assert [e.shape for e in batch.old_experts] == [(RB * RG, RP + RT, moe.experts_per_token)]
+
+
+def test_the_kl_term_is_added_to_the_policy_loss(setting):
+  """loss = pg_loss + kl_coef * kl, with kl >= 0 (k3): the penalty pulls the policy toward
+  the reference, it does not push it away."""
+  graphdef, params, prompts, lens, tokens, mask = setting
+  logp = trainer_logprobs(setting)
+  rows = step.Batch(prompts, lens, tokens, mask, jnp.asarray(logp) * mask,
+                    ref_logp_BxGxT=(jnp.asarray(logp) - 0.5) * mask)
+  adv = jnp.asarray(np.random.default_rng(2).normal(size=(RB, RG)), jnp.float32)
+  cfg = train_cfg(loss=C.LossConfig(kl_coef=0.25))
+  loss, m = jax.jit(functools.partial(step.minibatch_loss, graphdef=graphdef,
+                                      cfg=step_config(cfg)))(
+      params, mb=step.Minibatch(rows, adv))
+  # Every counted token has log pi_ref - log pi_theta = -0.5: k3 = e^-0.5 + 0.5 - 1.
+  np.testing.assert_allclose(m["kl"], np.exp(-0.5) - 0.5, rtol=1e-5)
+  np.testing.assert_allclose(loss, m["pg_loss"] + 0.25 * m["kl"], rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(m["loss"], loss, rtol=1e-6)
+
+
+def test_a_cold_start_step_raises_the_demonstrations_likelihood(setting):
+  """The SFT loss is the negative mean log-likelihood of the counted demonstration tokens,
+  and a step on it makes them more likely."""
+  graphdef, params, prompts, lens, tokens, mask = setting
+  tokens_BxT, mask_BxT = tokens[:, 0], mask[:, 0]
+  want = -np.sum(trainer_logprobs(setting)[:, 0] * np.asarray(mask_BxT)) / np.sum(mask_BxT)
+  batch = (prompts, lens, tokens_BxT, mask_BxT)
+  sft_loss = jax.jit(lambda p, *b: step.sft_loss(p, graphdef, *b))
+  loss = sft_loss(params, *batch)
+  np.testing.assert_allclose(loss, want, rtol=1e-5)
+  assert loss > 0
+  tx = optim.sft_optimizer(steps=10, learning_rate=1e-2)
+  sft = jax.jit(functools.partial(step.sft_step, graphdef=graphdef, tx=tx))
+  p, o = params, tx.init(params)
+  for _ in range(3):  # the schedule warms up from 0: the first step does not move
+    p, o, _ = sft(p, o, batch)
+  assert sft_loss(p, *batch) < loss

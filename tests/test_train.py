@@ -6,7 +6,6 @@ import dataclasses
 import io
 import json
 import os
-import pathlib
 import shutil
 
 import jax
@@ -14,43 +13,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gspo_jax import configlib, sharding, text
+from gspo_jax import configlib, text
 from gspo_jax import config as C
 from gspo_jax import run as R
 from gspo_jax import train as T
-from gspo_jax.models.config import tiny
-from gspo_jax.rollout import rollout_step
 from tests import adam_bounds
-
-
-def tiny_cfg(**kw) -> C.TrainConfig:
-  base = dict(
-      model=tiny(vocab_size=24, hidden=32, mlp_dim=64, num_heads=2, num_kv_heads=1, head_dim=16),
-      rollout=C.RolloutConfig(prompts_per_iter=4, group_size=4, max_new_tokens=4, max_prompt_len=8),
-      sft=C.SFTConfig(steps=30, batch_size=32, learning_rate=3e-3),
-      optim=C.OptimConfig(learning_rate=1e-3),
-      iterations=2, eval_every=0, eval_size=16, num_minibatches=2,
-      mesh=sharding.MeshConfig(num_devices=1))
-  return C.TrainConfig(**{**base, **kw})
+from tests.helpers import interrupted_copy, leaves, random_rewards, read_metrics, rollout, tiny_cfg
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
   return R.setup(tiny_cfg(), str(tmp_path_factory.mktemp("run")))
-
-
-def leaves(tree):
-  return [np.asarray(x) for x in jax.tree.leaves(tree)]
-
-
-def rollout(run, step=0):
-  return rollout_step(run, run.state.params, run.state.key, step)
-
-
-def random_rewards(r, seed):
-  """An untrained model earns reward 0 everywhere (advantages 0, no gradient): give the
-  rows random rewards so the update has something to do."""
-  return jnp.asarray(np.random.default_rng(seed).normal(size=r.rewards_BxG.shape), jnp.float32)
 
 
 @pytest.fixture(scope="module")
@@ -138,22 +111,6 @@ def test_non_finite_loss_skips_the_update(run, rolled):
   # The minibatch holding that row is skipped (params of that step unchanged); others apply.
   assert float(m["skipped_updates"]) >= 1
   assert all(np.all(np.isfinite(x)) for x in leaves(new.params))
-
-
-def read_metrics(run_dir):
-  return [json.loads(l) for l in pathlib.Path(run_dir, "metrics.jsonl").read_text().splitlines()]
-
-
-def interrupted_copy(src, dst, step):
-  """A copy of run directory `src` as the run left it had it stopped after its checkpoint
-  at `step`: later checkpoints and metrics.jsonl records removed."""
-  shutil.copytree(src, dst)
-  for name in os.listdir(dst / "checkpoints"):
-    if name.isdigit() and int(name) > step:
-      shutil.rmtree(dst / "checkpoints" / name)
-  kept = [r for r in read_metrics(dst) if r["step"] <= step]
-  (dst / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
-  return dst
 
 
 def train_logged(*args, **kw):

@@ -17,13 +17,13 @@ from gspo_jax import config as C
 from gspo_jax import configlib, lengths, losses, optim, rng, sampling, step
 from gspo_jax.advantages import group_advantages
 from gspo_jax.models import transformer
-from gspo_jax.models.config import tiny
 from gspo_jax.programs import step_config
 from tests import adam_bounds
+from tests.helpers import (HAND_EOS, HAND_T, TINY_MODEL, hand_rollout, leaves, prompts_of,
+                           hand_cfg as cfg_of)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODEL = tiny(vocab_size=24, hidden=32, mlp_dim=64, num_heads=2, num_kv_heads=1, head_dim=16)
-T, EOS = 4, 1
+T, EOS = HAND_T, HAND_EOS
 # Two groups of four; (0, 1) and (1, 3) are truncated (T tokens, no EOS). (1, 0) also has T
 # tokens but ends with EOS: it is not truncated.
 LENGTHS = np.array([[2, 4, 1, 3], [4, 3, 2, 4]])
@@ -31,39 +31,10 @@ TRUNCATED = np.array([[False, True, False, False], [False, False, False, True]])
 REWARDS = np.array([[1.0, 0.0, 0.5, -1.0], [0.2, 2.0, -0.7, 0.0]], np.float32)
 
 
-def cfg_of(**kw) -> C.TrainConfig:
-  base = dict(model=MODEL, rollout=C.RolloutConfig(prompts_per_iter=2, group_size=4,
-                                                  max_new_tokens=T, max_prompt_len=3),
-              sft=C.SFTConfig(steps=0), optim=C.OptimConfig(learning_rate=1e-2),
-              num_minibatches=1)
-  return C.TrainConfig(**{**base, **kw})
-
-
 @pytest.fixture(scope="module")
 def policy():
-  graphdef, params = nnx.split(transformer.create(MODEL, seed=1), nnx.Param)
+  graphdef, params = nnx.split(transformer.create(TINY_MODEL, seed=1), nnx.Param)
   return graphdef, params
-
-
-def hand_rollout(lengths_BxG, truncated_BxG, seed=0, T=T) -> sampling.Rollout:
-  """Tokens in 2..V-1, EOS (1) as the last counted token of every row that is not
-  truncated, pad (0) after; entropy 0.5 per counted token; T decode steps."""
-  B, G = lengths_BxG.shape
-  tokens = np.random.default_rng(seed).integers(2, MODEL.vocab_size, (B, G, T))
-  t = np.arange(T)
-  tokens[t >= lengths_BxG[..., None]] = 0
-  ends = ~truncated_BxG
-  tokens[ends, lengths_BxG[ends] - 1] = EOS
-  mask = (t < lengths_BxG[..., None]).astype(np.float32)
-  return sampling.Rollout(jnp.asarray(tokens, jnp.int32), jnp.asarray(mask),
-                          jnp.zeros((B, G, T)), jnp.asarray(mask * 0.5),
-                          jnp.asarray(lengths_BxG, jnp.int32), jnp.asarray(ends),
-                          jnp.asarray(truncated_BxG), jnp.asarray(T, jnp.int32))
-
-
-def prompts_of(B):
-  prompts = (np.arange(B * 3).reshape(B, 3) % (MODEL.vocab_size - 2) + 2).astype(np.int32)
-  return jnp.asarray(prompts), jnp.full((B,), 3, jnp.int32)
 
 
 @functools.cache
@@ -92,10 +63,6 @@ def train_once(cfg, policy, rollout, rewards_BxG):
   batch = prepare(params, None, rollout, *prompts_of(rollout.tokens_BxGxT.shape[0]))
   new, metrics = update(jax.tree.map(jnp.copy, state), batch, jnp.asarray(rewards_BxG))
   return batch, new.params, jax.device_get(metrics)
-
-
-def leaves(tree):
-  return [np.asarray(x) for x in jax.tree.leaves(tree)]
 
 
 # -- mask ---------------------------------------------------------------------------------

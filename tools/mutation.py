@@ -64,12 +64,12 @@ def M(name, file, original, replacement, tests, what, equivalent=""):
 S = "tests/test_streams.py::"
 GUARD = "tests/test_guard.py::"
 LOSSES = "tests/test_losses.py::"
-AFTER = "tests/test_losses_after.py::"
+VARIANTS = "tests/test_variant_losses.py::"
 TRUNC = "tests/test_truncation.py::"
 SAMPLING = "tests/test_sampling.py::"
 SHARED = "tests/test_shared_prefix.py::"
 TRAIN = "tests/test_train.py::"
-CONTRACTS = "tests/test_contracts.py::"
+STEP = "tests/test_step.py::"
 BOUNDS = "tests/test_boundaries.py::"
 
 MUTANTS: list[Mutant] = [
@@ -130,7 +130,7 @@ MUTANTS: list[Mutant] = [
     M("sampler_logp_after_filter", "gspo_jax/sampling.py",
       "logp_all = jax.nn.log_softmax(scaled, axis=-1)",
       "logp_all = jax.nn.log_softmax(filter_logits(scaled, cfg), axis=-1)",
-      CONTRACTS + "test_sampler_log_probs_are_of_the_unfiltered_distribution",
+      SAMPLING + "test_sampler_log_probs_are_of_the_unfiltered_distribution",
       "sampler log-probs of the filtered distribution (not what the trainer recomputes)"),
     M("evaluate_chunk_key", "gspo_jax/evaluate.py",
       "key = jax.random.fold_in(jax.random.key(seed), start)", "key = jax.random.key(seed)",
@@ -214,20 +214,20 @@ MUTANTS: list[Mutant] = [
       "truncation=mask keeps the truncated rows"),
     M("prepare_always_recomputes", "gspo_jax/step.py",
       'old = recomputed if cfg.old_logp == "recompute" else old', "old = recomputed",
-      [CONTRACTS + "test_tracked_routing_keeps_the_samplers_pi_old_when_configured",
+      [STEP + "test_tracked_routing_keeps_the_samplers_pi_old_when_configured",
        "tests/test_routing_train.py::test_bfloat16_sampler_feeds_its_own_log_probs_as_pi_old"],
       'old_logp="sampler" ignored when routing is tracked or replayed'),
     M("prepare_never_recomputes", "gspo_jax/step.py",
       'old = recomputed if cfg.old_logp == "recompute" else old', "old = old",
-      CONTRACTS + "test_pi_old_is_the_trainers_recomputation_or_the_samplers_as_configured",
+      STEP + "test_pi_old_is_the_trainers_recomputation_or_the_samplers_as_configured",
       'old_logp="recompute" ignored: pi_old is the (bf16) sampler\'s'),
     M("minibatch_loss_kl_sign", "gspo_jax/step.py",
       "loss = loss + cfg.kl.coef * kl", "loss = loss - cfg.kl.coef * kl",
-      CONTRACTS + "test_the_kl_term_is_added_to_the_policy_loss",
+      STEP + "test_the_kl_term_is_added_to_the_policy_loss",
       "the KL term pushes the policy away from the reference"),
     M("split_adv_by_prompt", "gspo_jax/step.py",
       'if names[0] == "rows" else "group"', 'if names[0] == "rows" else "prompt"',
-      ("tests/test_step.py::test_every_batch_field_is_split_with_its_rows",
+      (STEP + "test_every_batch_field_is_split_with_its_rows",
        SHARED + "test_training_step_with_shared_prompts_equals_unshared_and_sharded"),
       "the advantages and token weights are taken by their prompts, not with their rows"),
     M("split_prompt_of_row", "gspo_jax/step.py",
@@ -241,7 +241,7 @@ MUTANTS: list[Mutant] = [
       "the group-keeping order overlaps groups"),
     M("sft_loss_sign", "gspo_jax/step.py",
       "return -jnp.sum(logp_Bx1xT[:, 0] * mask_BxT)", "return jnp.sum(logp_Bx1xT[:, 0] * mask_BxT)",
-      CONTRACTS + "test_a_cold_start_step_raises_the_demonstrations_likelihood",
+      STEP + "test_a_cold_start_step_raises_the_demonstrations_likelihood",
       "the cold start lowers the demonstrations' likelihood"),
     # -- losses ---------------------------------------------------------------------------
     M("seq_ratio_not_length_normalised", "gspo_jax/loss_blocks.py",
@@ -276,7 +276,7 @@ MUTANTS: list[Mutant] = [
       "approx_kl estimates KL(pi_theta || pi_old) from pi_old's samples"),
     M("weights_keep_zero_tokens", "gspo_jax/loss_blocks.py",
       "return m & (jax.lax.stop_gradient(jnp.asarray(token_weights_BxT)) != 0)", "return m",
-      AFTER + "test_zero_weights_leave_numerators_and_denominators_alike",
+      VARIANTS + "test_zero_weights_leave_numerators_and_denominators_alike",
       "a zero weight leaves its token in the denominators"),
     M("gspo_token_no_stop_gradient", "gspo_jax/losses.py",
       "log_s_BxT = (l_BxT - sg(l_BxT)) + sg(log_s_B)[:, None]",
@@ -297,16 +297,16 @@ MUTANTS: list[Mutant] = [
     M("luspo_no_length_weight", "gspo_jax/losses.py",
       "objective_B = surrogate.objective * n_B if length_weighting else surrogate.objective",
       "objective_B = surrogate.objective",
-      AFTER + "test_luspo_hand_values", "LUSPO is plain GSPO"),
+      VARIANTS + "test_luspo_hand_values", "LUSPO is plain GSPO"),
     M("sapo_tau_swapped", "gspo_jax/loss_blocks.py",
       "tau = jnp.where(adv > 0, tau_pos, tau_neg)", "tau = jnp.where(adv > 0, tau_neg, tau_pos)",
-      AFTER + "test_sapo_token_hand_values", "SAPO's temperatures swapped"),
+      VARIANTS + "test_sapo_token_hand_values", "SAPO's temperatures swapped"),
     M("cispo_weight_not_clipped", "gspo_jax/loss_blocks.py",
       "weight = jnp.clip(ratio, 1 - eps_low, 1 + eps_high)", "weight = ratio",
-      AFTER + "test_cispo_hand_values", "CISPO's importance weight not truncated"),
+      VARIANTS + "test_cispo_hand_values", "CISPO's importance weight not truncated"),
     M("gmpo_unclipped", "gspo_jax/variant_losses.py",
       "rho_B = jnp.exp(jnp.sum(clipped_l_BxT, axis=-1)", "rho_B = jnp.exp(jnp.sum(l_BxT, axis=-1)",
-      AFTER + "test_gmpo_hand_values", "GMPO's geometric mean of unclipped ratios"),
+      VARIANTS + "test_gmpo_hand_values", "GMPO's geometric mean of unclipped ratios"),
     # -- advantages -----------------------------------------------------------------------
     M("adv_std_ddof0", "gspo_jax/advantages.py",
       "jnp.std(r, axis=1, ddof=1, keepdims=True)", "jnp.std(r, axis=1, ddof=0, keepdims=True)",

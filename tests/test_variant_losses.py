@@ -1,7 +1,9 @@
-"""The losses beside GSPO (SAPO, CISPO, GMPO, length-unbiased GSPO), token weights, rollout
-correction and the off-policy sequence mask: hand-derived numbers, the identities of
-issue 17, padding, jit / vmap / grad, 8 simulated devices, bad input, and one training
-step of each new loss. Numeric tests run in float32 and float64 (`dtype`)."""
+"""The losses beside GSPO (gspo_jax/variant_losses.py: SAPO, CISPO, GMPO, length-unbiased
+GSPO), token weights, and the losses with rollout-correction weights and the off-policy
+sequence mask: hand-derived numbers, the identities of issue 17, padding, jit / vmap /
+grad, 8 simulated devices, bad input, and one training step of each new loss. The
+correction functions' own hand values are in test_rollout_correction.py. Numeric tests run
+in float32 and float64 (`dtype`)."""
 
 import functools
 import inspect
@@ -17,7 +19,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from gspo_jax import config as C
 from gspo_jax import configlib
 from gspo_jax import losses as L
-from tests.test_losses import HAND_A, HAND_L, HAND_M, JUNK, arr, hand_batch, random_batch
+from tests.helpers import HAND_A, HAND_L, JUNK, arr, hand_batch, random_batch
 
 NEW = ("luspo", "sapo", "sapo_seq", "cispo", "gmpo")
 # Hyperparameters at which a random batch of log-ratio scale 0.1-0.3 clips some tokens/rows
@@ -61,7 +63,7 @@ def all_losses(logp, old, adv, mask, weights=None, names=tuple(L.LOSSES)):
 
 
 # ---------------------------------------------------------------- hand-derived values
-# The hand batch of tests/test_losses.py (token log-ratios l, "*" masked junk, old = -1.5):
+# The hand batch of tests/helpers.py (token log-ratios l, "*" masked junk, old = -1.5):
 #   row 0: l = [0.1, -0.2, 0.4], A = +1,  n = 3     row 1: l = [0.3, *, *],     A = -1, n = 1
 #   row 2: l = [-0.3, -0.3, *], A = -2,  n = 2     row 3: l = [0.5, 0.5, 0.5], A = +0.5, n = 3
 #   row 4: empty (A = 3, excluded): N = 4, 9 counted tokens.
@@ -161,55 +163,6 @@ def test_luspo_hand_values(dtype, tol):
   assert float(m["clip_frac_seq"]) == 0.5
 
 
-def test_rollout_correction_hand_values(dtype, tol):
-  # log(pi_old / pi_sampler): row0 [log 3, log 0.4, 0], row1 [log 1.5, *, *] (masked junk).
-  sampler = arr([[0.0, 0.0, -1.0], [-2.0, 0.0, 0.0]], dtype)
-  old = sampler + arr([[math.log(3), math.log(0.4), 0.0], [math.log(1.5), np.nan, np.inf]], dtype)
-  mask = jnp.asarray([[1, 1, 1], [1, 0, 0]], jnp.float32)
-  rc = lambda **kw: L.rollout_correction(old, sampler, mask, **kw)
-  cases = {
-      # Token, min(w, 2): [2, 0.4, 1], [1.5]; one token of four truncated.
-      ("token", "truncate"): ([[2, 0.4, 1], [1.5, 0, 0]], 1 / 4),
-      # Sequence: products 3 * 0.4 * 1 = 1.2 and 1.5, on every token of the row.
-      ("sequence", "truncate"): ([[1.2] * 3, [1.5, 0, 0]], 0),
-      # Geometric: 1.2^(1/3) = 1.06266 and 1.5.
-      ("geometric", "truncate"): ([[1.2 ** (1 / 3)] * 3, [1.5, 0, 0]], 0),
-      # Mask outside [1/2, 2]: 3 and 0.4 are dropped (weight 0), 1 and 1.5 keep their weight.
-      ("token", "mask"): ([[0, 0, 1], [1.5, 0, 0]], 2 / 4),
-  }
-  for (level, mode), (want, frac) in cases.items():
-    w, m = rc(level=level, mode=mode)
-    np.testing.assert_allclose(w, want, err_msg=f"{level} {mode}", **tol)
-    np.testing.assert_allclose(m["rollout_corr_frac"], frac, err_msg=f"{level} {mode}", **tol)
-  # threshold_low 0.3 keeps 0.4; at threshold 1.4 the row-1 weight 1.5 goes too.
-  w, _ = rc(mode="mask", threshold=1.4, threshold_low=0.3)
-  np.testing.assert_allclose(w, [[0, 0.4, 1], [0, 0, 0]], **tol)
-  # Sequence-level mask at threshold 1.3: row 1 (1.5) is dropped whole, row 0 (1.2) kept.
-  w, m = rc(level="sequence", mode="mask", threshold=1.3)
-  np.testing.assert_allclose(w, [[1.2] * 3, [0, 0, 0]], **tol)
-  # Metrics: k3 = w - 1 - log w per token, mean over the 4 counted tokens; max weight and
-  # log-weights before truncation.
-  _, m = rc()
-  k3 = sum(x - 1 - math.log(x) for x in (3, 0.4, 1, 1.5)) / 4
-  np.testing.assert_allclose(m["rollout_corr_kl"], k3, **tol)
-  np.testing.assert_allclose([m["rollout_corr_weight_mean"], m["rollout_corr_weight_max"],
-                              m["rollout_corr_log_weight_min"], m["rollout_corr_log_weight_max"]],
-                             [4.9 / 4, 2, math.log(0.4), math.log(3)], **tol)
-
-
-def test_off_policy_sequence_mask_hand_values(dtype, tol):
-  # d_i = mean_t (log pi_sampler - log pi_theta): rows 0, 1 drift 0.2, row 2 0.05, row 3 empty.
-  logp = arr(np.full((4, 2), -1.0), dtype)
-  sampler = logp + arr([[0.3, 0.1], [0.2, 0.2], [0.05, np.nan], [9.0, 9.0]], dtype)
-  mask = jnp.asarray([[1, 1], [1, 1], [1, 0], [0, 0]], jnp.float32)
-  adv = arr([-1.0, 1.0, -1.0, -1.0], dtype)
-  w, m = L.off_policy_sequence_mask(logp, sampler, adv, mask, threshold=0.1)
-  # Row 0: A < 0 and 0.2 > 0.1: dropped. Row 1: A > 0: kept. Row 2: 0.05 <= 0.1: kept.
-  np.testing.assert_array_equal(w, [[0, 0], [1, 1], [1, 0], [0, 0]])
-  np.testing.assert_allclose([m["off_policy_masked_frac"], m["off_policy_kl_mean"]],
-                             [1 / 3, 0.45 / 3], **tol)
-
-
 # ------------------------------------------------------------------------- identities
 
 
@@ -278,16 +231,6 @@ def test_luspo_is_gspo_with_rows_weighted_by_length(dtype, tol):
   (l1, _), _ = jvg("luspo", logp, old, adv, full, **eps)
   (l2, _), _ = jvg("gspo", logp, old, adv, full, **eps)
   np.testing.assert_allclose(l1, mask.shape[1] * l2, **tol)
-
-
-@pytest.mark.parametrize("level", ["token", "sequence", "geometric"])
-def test_rollout_weights_are_exactly_one_when_the_sampler_is_pi_old(level, dtype):
-  logp, _, _, mask = random_batch(35, dtype, prefix=False, empty_rows=(1,))
-  for mode in ("truncate", "mask"):
-    w, m = L.rollout_correction(logp, logp, mask, level=level, mode=mode)
-    np.testing.assert_array_equal(w, np.asarray(mask))
-    assert float(m["rollout_corr_kl"]) == 0 and float(m["rollout_corr_frac"]) == 0
-    assert float(m["rollout_corr_weight_mean"]) == 1 == float(m["rollout_corr_weight_max"])
 
 
 def test_zero_weights_leave_numerators_and_denominators_alike(dtype, tol):
@@ -549,7 +492,7 @@ def test_config_takes_each_loss_defaults_and_refuses_what_does_not_apply():
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
   from gspo_jax import run as R
-  from tests.test_train import tiny_cfg
+  from tests.helpers import tiny_cfg
   return R.setup(tiny_cfg(), str(tmp_path_factory.mktemp("run")))
 
 
@@ -557,7 +500,7 @@ def tiny_run(tmp_path_factory):
 @pytest.mark.parametrize("name", NEW)
 def test_one_training_step_of_each_new_loss(tiny_run, name):
   # The train step calls LOSSES[loss.name](flat logp, flat old, adv, mask, **loss.kwargs()).
-  from tests.test_train import leaves, random_rewards, rollout, tiny_cfg
+  from tests.helpers import leaves, random_rewards, rollout, tiny_cfg
   run = tiny_run.reconfigure(tiny_cfg(loss=C.LossConfig(name=name)))
   before = leaves(run.state.params)
   r = rollout(run)
