@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Callable, TYPE_CHECKING
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -38,9 +38,6 @@ import numpy as np
 from gspo_jax import sharding, text
 from gspo_jax.programs import sampler_configs
 from gspo_jax.step import Batch
-
-if TYPE_CHECKING:  # a type only: the phases do not import the run setup
-  from gspo_jax.run import Run
 
 
 @dataclasses.dataclass
@@ -51,7 +48,7 @@ class RolloutResult:
   device_stats: dict[str, jax.Array]   # from the sampler program: lengths, truncation, entropy
 
 
-def rollout_step(run: Run, params, key, step: int, ref_params=None, log=print) -> RolloutResult:
+def rollout_step(run, params, key, step: int, ref_params=None, log=print) -> RolloutResult:
   """Sample, score and prepare the update batch of iteration `step` (a host int).
 
   `run` is a `gspo_jax.run.Run`; `params` and `key` are the policy's and the run's
@@ -89,10 +86,10 @@ class Groups:
   """Single-turn groups: the group sampler's G responses per prompt (`Programs.sample`),
   greedy evaluation with `Programs.greedy`, demonstrations as one completion each."""
 
-  def collect(self, run: Run, params, key, step: int, ref_params=None, log=print) -> RolloutResult:
+  def collect(self, run, params, key, step: int, ref_params=None, log=print) -> RolloutResult:
     return rollout_step(run, params, key, step, ref_params, log=log)
 
-  def responder(self, run: Run, n: int | None = None) -> Callable:
+  def responder(self, run, n: int | None = None) -> Callable:
     if n is None:
       sampler = run.programs.greedy
     else:  # sampled like the rollouts (temperature, top-p, top-k of cfg.rollout)
@@ -105,6 +102,6 @@ class Groups:
       return out.tokens_BxGxT, out.mask_BxGxT
     return respond
 
-  def demonstrations(self, run: Run, examples):
+  def demonstrations(self, run, examples):
     return text.encode_completions(run.tok, [run.task.demonstration(e) for e in examples],
                                    run.cfg.rollout.max_new_tokens)

@@ -9,11 +9,7 @@ structure) and `params` (an nnx.State of its nnx.Param variables) are merged ins
 traced functions. `gspo_jax.programs` compiles these functions, each as one `jax.jit`
 with its shardings and donation, with a `StepConfig` it resolves once from the run's
 config (`programs.step_config`): this module reads no user config.
-
-Adding a batch field: declare it on `Batch` (per row, (B, G, ...), unless `ROW_LAYOUT`
-says otherwise), fill it in `prepare` (or where the rollout makes it), read it in
-`minibatch_loss`. Its sharding, the minibatch split and the scan follow from the field
-itself (docs/adding_a_feature.md).
+Adding a batch field takes one declaration on `Batch` (docs/adding_a_feature.md).
 """
 
 from __future__ import annotations
@@ -390,11 +386,9 @@ def update(state: TrainState, batch: Batch, rewards_BxG: Array, *, graphdef, tx,
 
 
 def _over_live_minibatches(metrics: dict[str, Array]) -> dict[str, Array]:
-  """With truncation="mask" a minibatch can lose every row (all its responses truncated):
-  it trains nothing (`apply_step` skips it), and its loss metrics describe no row. The
-  per-minibatch averages and the ratio range are then over the minibatches that kept a
-  row, and `empty_minibatches` counts the others (an iteration whose every minibatch is
-  empty reports 0 rows and a ratio range of [1, 1])."""
+  """truncation="mask" can empty a minibatch (every response truncated; `apply_step` skips
+  it): the averages and the ratio range are over the minibatches that kept a row (none
+  kept: 0 rows, ratios [1, 1]), and `empty_minibatches` counts the others."""
   live_M = metrics["num_seqs"] > 0
   n = jnp.maximum(jnp.sum(live_M), 1)
   out = {k: jnp.sum(jnp.where(live_M, v, 0)) / n for k, v in metrics.items()

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Callable, TYPE_CHECKING
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -30,11 +30,8 @@ from gspo_jax.multiturn import envs
 from gspo_jax.multiturn.episodes import EpisodeResult, run_episodes
 from gspo_jax.rollout import RolloutResult
 
-if TYPE_CHECKING:  # a type only: the phases do not import the run setup
-  from gspo_jax.run import Run
 
-
-def sample_episodes(run: Run, programs, params, prompts_BxP, lens_B, key, examples
+def sample_episodes(run, programs, params, prompts_BxP, lens_B, key, examples
                     ) -> EpisodeResult:
   """Episodes of `programs` (an EpisodePrograms of the run) for this batch of prompts, one
   Example per prompt (each repeated G times for its episodes)."""
@@ -56,7 +53,7 @@ def episode_texts(tok, episodes) -> list[str]:
   return text.decode_completions(tok, tokens.reshape(-1, T), shown.reshape(-1, T))
 
 
-def episode_rollout_step(run: Run, params, key, step: int, ref_params=None, log=print
+def episode_rollout_step(run, params, key, step: int, ref_params=None, log=print
                          ) -> RolloutResult:
   """Sample, score and prepare the update batch of iteration `step` (see the module
   docstring); `stats` adds accuracy (the task's `is_correct` on each whole episode), the
@@ -106,10 +103,10 @@ class Episodes:
     rollout, greedy = P.episode_configs(tok, cfg)
     return cls(make(rollout), make(greedy), make)
 
-  def collect(self, run: Run, params, key, step: int, ref_params=None, log=print) -> RolloutResult:
+  def collect(self, run, params, key, step: int, ref_params=None, log=print) -> RolloutResult:
     return episode_rollout_step(run, params, key, step, ref_params, log=log)
 
-  def responder(self, run: Run, n: int | None = None) -> Callable:
+  def responder(self, run, n: int | None = None) -> Callable:
     """Whole episodes; `shown_BxGxT` covers the model's turns and the observations (the task
     scores each episode's text)."""
     if n is None:
@@ -124,7 +121,7 @@ class Episodes:
       return ep.tokens_BxGxT, ep.mask_BxGxT + ep.obs_mask_BxGxT
     return respond
 
-  def demonstrations(self, run: Run, examples):
+  def demonstrations(self, run, examples):
     """Observations in a demonstration condition the model's turns and are not learned."""
     return text.encode_segments(run.tok, [run.task.demonstration_segments(e) for e in examples],
                                 run.cfg.rollout.max_new_tokens)
