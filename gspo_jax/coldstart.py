@@ -3,23 +3,21 @@ RL from a cold-start fine-tuned model).
 
 The loss (`step.sft_loss`) is the negative mean log-likelihood of the demonstration tokens
 (+ EOS) given the prompt, by the same teacher forcing as the RL update; the step is the
-run's `programs.sft` (params and optimiser state donated).
+run's `programs.sft` (params and optimiser state donated). `run` is a `gspo_jax.run.Run`
+(unannotated: this phase imports nothing of the run setup).
 """
 
 from __future__ import annotations
 
-from typing import Callable, TYPE_CHECKING
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
 from gspo_jax import rng, sharding
 
-if TYPE_CHECKING:  # a type only: the phases do not import the run setup
-  from gspo_jax.run import Run
 
-
-def supervised_batch(run: Run, examples):
+def supervised_batch(run, examples):
   """This process's rows of a global demonstration batch, fed as global arrays:
   (prompts_BxP, lens_B, tokens_BxT, mask_BxT); the solutions as the run's kind of rollout
   writes them (`Run.rollout.demonstrations`)."""
@@ -31,7 +29,7 @@ def supervised_batch(run: Run, examples):
   return tuple(sharding.feed(x, mesh, B) for x in (prompts, lens, tokens, mask))
 
 
-def cold_start(run: Run, *, probe_accuracy: Callable | None = None, log=print):
+def cold_start(run, *, probe_accuracy: Callable | None = None, log=print):
   """Up to `cfg.sft.steps` AdamW steps (warmup-cosine schedule) from `run.state.params`,
   stopping early once `probe_accuracy(params, probe)` (the loop passes greedy accuracy,
   `evaluate.evaluate`) on a probe of train-split problems reaches `cfg.sft.target_accuracy`.

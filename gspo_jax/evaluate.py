@@ -17,15 +17,11 @@ import dataclasses
 import json
 import os
 import re
-from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
 
 from gspo_jax import sharding, text
-
-if TYPE_CHECKING:  # a type only: the phases do not import the run setup
-  from gspo_jax.run import Run
 
 
 def pass_at_k(n: int, c, k: int):
@@ -44,7 +40,7 @@ def pass_at_k(n: int, c, k: int):
   return out if out.ndim else float(out)
 
 
-def _generate(run: Run, respond, params, chunk, key):
+def _generate(run, respond, params, chunk, key):
   """Responses to this process's rows of `chunk`: (its examples, texts [rows][G])."""
   tok, mesh = run.tok, run.layout.mesh
   mine = sharding.local_part(chunk, mesh)
@@ -57,7 +53,7 @@ def _generate(run: Run, respond, params, chunk, key):
   return mine, [texts[i * G:(i + 1) * G] for i in range(b)]
 
 
-def _responses(run: Run, respond, params, examples, *, batch: int, seed: int = 0):
+def _responses(run, respond, params, examples, *, batch: int, seed: int = 0):
   """Score the responses `respond` (a `Run.rollout.responder`) gives to each example, chunk
   by chunk (each chunk padded with copies of its last problem to a multiple of the batch
   mesh axes; padding not counted).
@@ -83,7 +79,7 @@ def _responses(run: Run, respond, params, examples, *, batch: int, seed: int = 0
   return np.concatenate(correct), np.concatenate(rewards), shown
 
 
-def evaluate(run: Run, params, examples, *, batch: int = 256):
+def evaluate(run, params, examples, *, batch: int = 256):
   """Greedy accuracy and mean reward of the policy `params` on `examples` (G = 1, argmax
   decoding, the run's `Run.rollout.responder()`). `run` is a `gspo_jax.run.Run`. A
   multi-turn run decodes whole episodes with its environment, and the task scores each
@@ -97,7 +93,7 @@ def evaluate(run: Run, params, examples, *, batch: int = 256):
           "greedy": [texts[0] for _, texts in shown]}
 
 
-def sample_pass_at_k(run: Run, params, examples, *, n: int, k: int, batch: int = 32, seed: int = 0):
+def sample_pass_at_k(run, params, examples, *, n: int, k: int, batch: int = 32, seed: int = 0):
   """pass@k (mean over examples) from n responses per example, sampled like the rollouts
   (temperature, top-p, top-k of cfg.rollout). Returns the metric, the mean reward, the
   per-example correct counts and this process's (example, texts)."""

@@ -17,7 +17,6 @@ reward of its own (token ids, not text), used by the benchmarks, not by `train`.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -25,9 +24,6 @@ import jax.numpy as jnp
 from gspo_jax import programs, rng, sampling, step
 from gspo_jax.sampling import SamplerConfig
 from gspo_jax.step import TrainState
-
-if TYPE_CHECKING:  # a type only: the phases do not import the run setup
-  from gspo_jax.run import Run
 
 Array = jax.Array
 
@@ -64,7 +60,7 @@ def _iteration(state: TrainState, prompts_BxP, lens_B, answer_BxA, answer_lens_B
                  **sampling.rollout_stats(rollout)}
 
 
-def make_fused_iteration(run: Run):
+def make_fused_iteration(run):
   """One jitted (state, prompts_BxP, lens_B, answer_BxA, answer_lens_B) -> (state, metrics)
   for a `gspo_jax.run.Run`; the state is donated. Single-process, no KL reference,
   exact-match tasks only (answers encoded with `text.encode_answers`)."""
