@@ -175,6 +175,13 @@ def by_rank(shapes, mesh: Mesh):
                       shapes)
 
 
+def abstract_rows(shapes, mesh: Mesh):
+  """`shapes` (from `jax.eval_shape`) as abstract inputs in the `by_rank` shardings: what
+  a program compiled ahead of time takes (`gspo_jax.plan`)."""
+  return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                      shapes, by_rank(shapes, mesh))
+
+
 def check_rows(field: str, rows: int, mesh: Mesh) -> None:
   """A batch dimension set by config `field` must divide over the batch mesh axes."""
   ways = batch_ways(mesh)

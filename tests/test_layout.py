@@ -84,7 +84,8 @@ def test_modules_stay_small():
 
 
 @pytest.mark.parametrize("name", ["gspo_jax.train", "gspo_jax.evaluate", "gspo_jax.coldstart",
-                                  "gspo_jax.run", "gspo_jax.generate", "gspo_jax.fused"])
+                                  "gspo_jax.run", "gspo_jax.generate", "gspo_jax.fused",
+                                  "gspo_jax.plan"])
 def test_entry_points_import_alone(name):
   subprocess.run([sys.executable, "-c", f"import {name}"], check=True, cwd=ROOT,
                  env={**os.environ, "JAX_PLATFORMS": "cpu"})

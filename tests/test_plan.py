@@ -1,0 +1,97 @@
+"""The TPU planner (gspo_jax/plan.py): the run's own programs compiled for a Cloud TPU
+topology on this CPU machine (libtpu, no TPU), per-chip parameter bytes that follow the
+mesh, a plan that cannot fit reported per program, and bad topologies, meshes and a missing
+libtpu refused by name before anything is compiled."""
+
+import importlib.util
+
+import jax
+import numpy as np
+import pytest
+
+from gspo_jax import configlib, plan
+from gspo_jax.config import TrainConfig
+
+SMOKE = "configs/addition_tiny.py:smoke"
+
+
+@pytest.fixture(scope="module")
+def libtpu():
+  if importlib.util.find_spec("libtpu") is None:
+    pytest.skip("compiling for TPU topologies needs the optional libtpu "
+                "(pip install -r requirements-plan.txt); CI installs it")
+
+
+def smoke(*sets: str) -> TrainConfig:
+  return configlib.apply_overrides(configlib.load_config(SMOKE), list(sets))
+
+
+def test_every_program_of_the_smoke_run_compiles_for_v5e_2x2_and_fits(libtpu):
+  report = plan.plan(smoke("mesh.data=1", "mesh.fsdp=4"), "v5e:2x2")
+  assert report["chips"] == 4 and report["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1}
+  assert set(report["programs"]) == {"init", "sample", "greedy", "sft", "prepare", "update"}
+  assert report["fits"] and all(p["fits"] for p in report["programs"].values())
+  # The parameters split 4 ways by fsdp: their bytes / (fsdp * tensor) per chip, but for
+  # the per-head q/k norms (logical axis head_dim, which no mesh axis splits): 2 per layer.
+  # init's argument is the parameters as the chip lays them out (its tiles pad small
+  # arrays: at least the shard's bytes).
+  from flax import nnx
+  from gspo_jax.models.transformer import Transformer
+  cfg = smoke()
+  params = nnx.state(nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0))),
+                     nnx.Param)
+  total = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(params))
+  qk_norms = cfg.model.num_layers * 2 * cfg.model.head_dim * 4
+  assert report["param_bytes"] == total
+  assert report["param_bytes_per_chip"] == (total - qk_norms) // 4 + qk_norms
+  assert report["programs"]["init"]["argument"] >= total // 4
+  replicated = plan.plan(smoke(), "v5e:2x2")   # data=4: every chip holds all of them
+  assert replicated["param_bytes_per_chip"] == total
+  assert replicated["programs"]["init"]["argument"] > report["programs"]["init"]["argument"]
+  # The update donates the state: what it returns in place of its arguments is aliased.
+  update = report["programs"]["update"]
+  assert update["alias"] > 0 and update["peak"] < update["argument"] + update["output"] + \
+      update["temp"] + update["code"]
+  text = plan.format_report(report)
+  assert "verdict: every program fits" in text and "update" in text
+
+
+def test_a_plan_that_cannot_fit_is_reported_per_program_and_exits_1(libtpu, capsys):
+  # 2 layers of hidden 16,384 and MLP 65,536, replicated over data=4: ~25 GiB of float32
+  # parameters per 16 GiB v5e chip.
+  big = ["--set", "model.hidden=16384", "--set", "model.mlp_dim=65536",
+         "--set", "model.num_heads=64", "--set", "model.num_kv_heads=8",
+         "--set", "model.head_dim=128"]
+  with pytest.raises(SystemExit) as e:
+    plan.main(["--config", SMOKE, "--topology", "v5e:2x2", *big])
+  assert e.value.code == 1
+  out = capsys.readouterr().out
+  assert "init     does not fit: RESOURCE_EXHAUSTED" in out
+  assert "verdict: does not fit (init, sample, prepare, update, greedy, sft over 16 GiB" in out
+
+
+@pytest.mark.parametrize("topology,sets,match", [
+    ("v9:2x2", [], r"--topology 'v9:2x2' is not a TPU topology GEN:AxB\[xC\] .* known here: "
+                   r"v5e:2x2"),
+    ("v5e:3x3", [], r"--topology 'v5e:3x3' is not a topology libtpu knows"),
+    ("v5e:2x2", ["mesh.data=3"], r"mesh.data \* mesh.fsdp \* mesh.tensor = 3 must equal the "
+                                 r"number of devices \(4\).*\(4 chips in v5e:2x2\)"),
+    ("v5e:2x2", ["mesh.data=1", "mesh.tensor=4"], r"model.num_kv_heads = 1 is not divisible "
+                                                  r"by mesh axis mesh.tensor=4"),
+    ("v5e:2x2", ["rollout.prompts_per_iter=6"], r"rollout.prompts_per_iter = 6 is not "
+                                                r"divisible by the batch mesh axes"),
+])
+def test_bad_plans_are_refused_by_name_before_compiling(libtpu, topology, sets, match):
+  with pytest.raises(plan.PlanError, match=match):
+    plan.plan(smoke(*sets), topology)
+
+
+def test_a_missing_libtpu_names_the_pip_command(monkeypatch):
+  real = importlib.util.find_spec
+  monkeypatch.setattr(importlib.util, "find_spec",
+                      lambda name, *a: None if name == "libtpu" else real(name, *a))
+  with pytest.raises(plan.PlanError, match=r"needs libtpu \(no TPU needed\): pip install "
+                                           r"'libtpu==0\.0\.42\.1'"):
+    plan.topology_devices("v5e:2x2")
+  with pytest.raises(SystemExit, match="plan error: .*pip install"):
+    plan.main(["--config", SMOKE, "--topology", "v5e:2x2"])
