@@ -259,7 +259,11 @@ class TrainConfig:
   # A Hugging Face model directory (config.json, safetensors, tokenizer) to start from
   # instead of a fresh `model` with a task tokenizer; `model` is then taken from it.
   pretrained: str = ""
-  pretrained_dtype: str = ""        # parameter dtype of the loaded model ("" = as stored)
+  # Parameter (master-weight) dtype of the loaded model; the checkpoint's own dtype stays
+  # the compute dtype. float32 by default: an RL step at lr ~1e-6 is below bfloat16's
+  # resolution for most weights and would round away (the optimiser's moments follow the
+  # parameters' dtype too). "" = as stored.
+  pretrained_dtype: str = "float32"
 
   # `--set NAME=VALUE` for a group's name field (configlib.apply_overrides).
   ALIASES = {"loss": "loss.name", "task": "task.name"}
@@ -308,6 +312,10 @@ class TrainConfig:
         group, _, field = new.partition(".")
         d.setdefault(group, {})
         d[group] = {**d[group], field: d.pop(old)}
+    # pretrained_dtype's default was "" (as stored); without `pretrained` it means nothing,
+    # so such a run saved the old default, which is today's.
+    if not d.get("pretrained") and d.get("pretrained_dtype") == "":
+      d["pretrained_dtype"] = "float32"
     return d
 
 

@@ -87,6 +87,8 @@ def config_diff(saved, requested) -> dict[str, tuple[Any, Any]]:
   diff = {k: (a.get(k), b.get(k)) for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)}
   if saved.pretrained and saved.pretrained == requested.pretrained:
     diff = {k: v for k, v in diff.items() if not _under(k, ("model",))}
+  if not saved.pretrained and not requested.pretrained:  # it applies to a loaded checkpoint
+    diff.pop("pretrained_dtype", None)
   return diff
 
 

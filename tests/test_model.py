@@ -221,3 +221,26 @@ def test_real_qwen3_shapes_match_published_sizes():
 def test_bad_config(kw, match):
   with pytest.raises(ValueError, match=match):
     config.tiny(**kw)
+
+
+def test_float32_master_parameters_keep_an_rl_sized_step_that_bfloat16_rounds_away():
+  """One AdamW step at lr 1e-6 (the first step moves each weight by ~lr) on the same
+  gradient: bfloat16 parameters (8 bits of mantissa: ~0.4% relative resolution) keep almost
+  every weight of magnitude > 1e-3 unchanged; float32 masters (the real-model presets, with
+  bfloat16 compute) change every weight with a nonzero gradient."""
+  import optax
+  changed = {}
+  for param_dtype in ("bfloat16", "float32"):
+    c = config.tiny(vocab_size=32, dtype="bfloat16", param_dtype=param_dtype)
+    _, params = nnx.split(transformer.create(c, seed=0), nnx.Param)
+    grads = jax.tree.map(lambda p: jnp.ones_like(p), params)
+    tx = optax.adamw(1e-6, weight_decay=0.0)
+    new = optax.apply_updates(params, tx.update(grads, tx.init(params), params)[0])
+    big = [(np.asarray(a, np.float32), np.asarray(b, np.float32))
+           for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(new))]
+    moved = sum(int(np.sum((a != b) & (np.abs(a) > 1e-3))) for a, b in big)
+    counted = sum(int(np.sum(np.abs(a) > 1e-3)) for a, _ in big)
+    changed[param_dtype] = moved / counted
+  assert changed["float32"] == 1.0 and changed["bfloat16"] < 0.05, changed
+  assert config.qwen3_0_6b().param_dtype == config.qwen3_30b_a3b().param_dtype == "float32"
+  assert config.qwen3_0_6b().dtype == "bfloat16"

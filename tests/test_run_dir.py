@@ -521,3 +521,14 @@ def test_a_resume_without_config_json_into_another_shape_is_one_clear_error(file
   assert "has no config.json to compare" in p.stderr
   assert "Traceback" not in p.stderr and "Event loop is closed" not in p.stderr
   assert checksums(run_dir) == before
+
+
+def test_pretrained_dtype_is_compared_only_for_a_pretrained_run():
+  """pretrained_dtype (float32 masters by default now, "" = as stored before) only acts on
+  a loaded checkpoint: a run without `pretrained` resumes whatever it saved; a pretrained
+  run's change of parameter dtype is refused."""
+  assert rundir.config_diff(C.TrainConfig(pretrained_dtype=""), C.TrainConfig()) == {}
+  stored = C.TrainConfig(pretrained="some/dir", pretrained_dtype="")
+  with pytest.raises(rundir.RunDirError, match="pretrained_dtype: saved '', requested "
+                                               "'float32'"):
+    rundir.check_resume(stored, dataclasses.replace(stored, pretrained_dtype="float32"), print)

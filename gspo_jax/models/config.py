@@ -116,11 +116,14 @@ def tiny_moe(**overrides) -> ModelConfig:
   return tiny(**{**base, **overrides})
 
 
+# The real-model presets compute in bfloat16 and keep float32 master parameters (and so
+# float32 Adam moments): RL learning rates (~1e-6) move most weights by less than bfloat16's
+# resolution, so a bfloat16 parameter would not change (tests/test_model.py shows it).
 def qwen3_0_6b(**overrides) -> ModelConfig:
   """Qwen/Qwen3-0.6B shapes (documentation and abstract shape checks)."""
   base = dict(vocab_size=151936, hidden=1024, num_layers=28, num_heads=16, num_kv_heads=8,
               head_dim=128, mlp_dim=3072, rope_theta=1e6, tie_embeddings=True, dtype="bfloat16",
-              param_dtype="bfloat16")
+              param_dtype="float32")
   return ModelConfig(**{**base, **overrides})
 
 
@@ -129,7 +132,7 @@ def qwen3_30b_a3b(**overrides) -> ModelConfig:
   base = dict(vocab_size=151936, hidden=2048, num_layers=48, num_heads=32, num_kv_heads=4,
               head_dim=128, mlp_dim=6144, rope_theta=1e6, num_experts=128, experts_per_token=8,
               moe_mlp_dim=768, norm_topk_prob=True, moe_dispatch="ragged", dtype="bfloat16",
-              param_dtype="bfloat16")
+              param_dtype="float32")
   return ModelConfig(**{**base, **overrides})
 
 
