@@ -13,9 +13,10 @@ and the programs are the run's own (`programs.make_layout` / `make_programs`, th
 
 Per program and chip: argument, output, aliased (donated), temporary and generated-code
 bytes (`memory_analysis`), their peak against the chip's HBM (a verdict per program, and
-for the run), the compile time, and the collective ops in the partitioned HLO. The counts
-are static: an op inside a loop (the layer scan, the decode loop, the minibatch scan) is
-counted once; traffic weighted by trip counts and roofline times are not computed yet.
+for the run), the compile time, the collective ops in the partitioned HLO, and their
+traffic: each collective's result bytes weighted by the trip counts of the loops around it
+(`collective_bytes`; the sampler's early-exit decode loop counts once and is flagged).
+FLOPs and roofline times are not computed yet.
 Multi-turn episode programs are not planned (their host loop sits between them).
 """
 
@@ -167,6 +168,66 @@ def _collectives(hlo: str) -> dict[str, int]:
   return {kind: len(re.findall(rf"= \S+ {kind}(-start)?\(", hlo)) for kind in COLLECTIVES}
 
 
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2,
+                "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+
+
+def _shape_bytes(shape: str) -> int:
+  """Bytes of an HLO result type: `f32[16,13,8]{...}` or a tuple of such."""
+  total = 0
+  for dtype, dims in re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", shape):
+    if dtype in _DTYPE_BYTES:
+      total += _DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+  return total
+
+
+def collective_bytes(hlo: str) -> dict[str, Any]:
+  """Result bytes of each kind of collective per chip, each op weighted by how often it
+  runs: the product of the trip counts of the loops around it. A loop's trip count is read
+  from its condition (`counter < constant`, as `lax.scan` and `fori_loop` compile); a loop
+  whose condition is anything else (the sampler's decode loop, which exits early) counts
+  once and is listed under `dynamic_loops`."""
+  comps: dict[str, str] = {}
+  for m in re.finditer(r"^(ENTRY )?%(\S+) [^\n]*\{\n(.*?)\n\}", hlo, re.S | re.M):
+    comps[m.group(2)] = m.group(3)
+    if m.group(1):
+      entry = m.group(2)
+  calls: dict[str, list[tuple[str, int]]] = {name: [] for name in comps}
+  dynamic = 0
+  for name, body in comps.items():
+    for line in body.splitlines():
+      loop = re.search(r"\bwhile\(.*condition=%([\w.\-]+), body=%([\w.\-]+)", line)
+      if loop:
+        cond, loop_body = loop.groups()
+        trips = re.search(r"ROOT \S+ = pred\[\]\S* compare\(%[\w.\-]+, %([\w.\-]+)\), "
+                          r"direction=LT", comps.get(cond, ""))
+        bound = trips and re.search(rf"%{re.escape(trips.group(1))} = s32\[\]\S* "
+                                    r"constant\((\d+)\)", comps.get(cond, ""))
+        n = int(bound.group(1)) if bound else 1
+        dynamic += not bound
+        calls[name].append((loop_body, n))
+        continue
+      for callee in re.findall(r"(?:calls|to_apply|body)=%([\w.\-]+)", line):
+        calls[name].append((callee, 1))
+      for group in re.findall(r"branch_computations=\{([^}]*)\}", line):
+        calls[name] += [(c.strip().lstrip("%"), 1) for c in group.split(",")]
+  weight: dict[str, int] = {}
+
+  def visit(name: str, w: int) -> None:
+    weight[name] = weight.get(name, 0) + w
+    for callee, n in calls.get(name, ()):
+      if callee in comps:
+        visit(callee, w * n)
+
+  visit(entry, 1)
+  out = {kind: 0 for kind in COLLECTIVES}
+  for name, body in comps.items():
+    for kind in COLLECTIVES:
+      for shape in re.findall(rf"= (\S+(?: \S+)*?) {kind}(?:-start)?\(", body):
+        out[kind] += weight.get(name, 0) * _shape_bytes(shape)
+  return {**out, "dynamic_loops": dynamic}
+
+
 def plan(cfg: TrainConfig, topology: str) -> dict[str, Any]:
   """Compile the run's programs for `topology`; the report (see the module docstring).
   PlanError for a topology, mesh, batch or libtpu that cannot be planned."""
@@ -222,7 +283,9 @@ def _compile_all(cfg: TrainConfig, layout, progs, chip: Chip) -> dict[str, Any]:
         raise
       entry.update(fits=False, error=str(e).splitlines()[0][:300])
     else:
-      entry.update(_memory(compiled), collectives=_collectives(compiled.as_text()))
+      hlo = compiled.as_text()
+      entry.update(_memory(compiled), collectives=_collectives(hlo),
+                   collective_bytes=collective_bytes(hlo))
       entry["fits"] = entry["peak"] <= chip.hbm_gib * GIB
     entry["compile_s"] = round(time.perf_counter() - t0, 2)
     out[name] = entry
@@ -236,16 +299,22 @@ def format_report(report: dict[str, Any]) -> str:
            f"{report['param_bytes'] / GIB:.3f} GiB, {report['param_bytes_per_chip'] / GIB:.3f} "
            "GiB per chip",
            f"{'program':8s} {'args':>8s} {'output':>8s} {'donated':>8s} {'temp':>8s} "
-           f"{'code':>8s} {'peak':>8s}  GiB per chip   compile  collectives (static)"]
+           f"{'code':>8s} {'peak':>8s}  GiB per chip   compile  {'traffic':>8s}  "
+           "collectives (static count)"]
   for name, p in report["programs"].items():
     if "peak" not in p:
       lines.append(f"{name:8s} does not fit: {p['error']}")
       continue
     coll = ", ".join(f"{k} {v}" for k, v in p["collectives"].items() if v) or "none"
+    moved = sum(v for k, v in p["collective_bytes"].items() if k in COLLECTIVES)
+    loops = p["collective_bytes"]["dynamic_loops"]
     lines.append(f"{name:8s} {gib(p['argument'])} {gib(p['output'])} {gib(p['alias'])} "
                  f"{gib(p['temp'])} {gib(p['code'])} {gib(p['peak'])}  "
-                 f"{'fits' if p['fits'] else 'DOES NOT FIT':12s}  {p['compile_s']:6.1f} s  {coll}")
+                 f"{'fits' if p['fits'] else 'DOES NOT FIT':12s}  {p['compile_s']:6.1f} s  "
+                 f"{gib(moved)}{'+' if loops else ' '} {coll}")
   worst = [n for n, p in report["programs"].items() if not p["fits"]]
+  lines.append("traffic: GiB per chip of collective results, each weighted by the trip counts "
+               "of its loops ('+': a loop with an early exit, the decode loop, counted once)")
   lines.append("verdict: every program fits" if not worst else
                f"verdict: does not fit ({', '.join(worst)} over "
                f"{report['hbm_per_chip_gib']} GiB per chip)")

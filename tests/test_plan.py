@@ -95,3 +95,25 @@ def test_a_missing_libtpu_names_the_pip_command(monkeypatch):
     plan.topology_devices("v5e:2x2")
   with pytest.raises(SystemExit, match="plan error: .*pip install"):
     plan.main(["--config", SMOKE, "--topology", "v5e:2x2"])
+
+
+def test_collective_traffic_is_weighted_by_loop_trip_counts(libtpu):
+  """A loop of n steps, each reducing a row-sharded (1024, 256) float32 array over its rows
+  (one all-reduce of a (1, 256) float32 result, 1,024 bytes): n x 1,024 bytes, linear in n,
+  though the HLO holds the all-reduce once."""
+  import jax.numpy as jnp
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  mesh = Mesh(np.array(plan.topology_devices("v5e:2x2")), ("x",))
+
+  def hlo(n):
+    def loop(a):
+      body = lambda i, c: c + jnp.sum(a * c, axis=0, keepdims=True)
+      return jax.lax.fori_loop(0, n, body, jnp.ones((1, 256)))
+    x = jax.ShapeDtypeStruct((1024, 256), jnp.float32, sharding=NamedSharding(mesh, P("x")))
+    return jax.jit(loop, out_shardings=NamedSharding(mesh, P())).lower(x).compile().as_text()
+
+  for n in (3, 6):
+    text = hlo(n)
+    assert plan._collectives(text)["all-reduce"] == 1
+    moved = plan.collective_bytes(text)
+    assert moved["all-reduce"] == n * 1024 and moved["dynamic_loops"] == 0
