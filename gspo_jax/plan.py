@@ -96,22 +96,15 @@ class _ShapeTokenizer:
   def __init__(self, vocab_size: int):
     self.vocab_size, self.pad_id, self.eos_id, self.bos_id = vocab_size, 0, 1, 2
 
-  def encode(self, text: str, **_):  # multi-turn stop strings: one token each
-    return [3]
 
 
 def _model_cfg(cfg: TrainConfig):
+  """The model a run trains: `model`, or `pretrained`'s as `run.setup` loads it."""
   if not cfg.pretrained:
     return cfg.model
   from gspo_jax.models import hf
-  from gspo_jax.models.config import EXECUTION_FIELDS
-  pretrained = hf.config_from_hf(hf.read_config(cfg.pretrained))
-  return dataclasses.replace(pretrained, **{k: getattr(cfg.model, k) for k in EXECUTION_FIELDS})
-
-
-def _abstract(tree, shardings):
-  return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                      tree, shardings)
+  from gspo_jax.run import pretrained_load_args
+  return hf.model_config(cfg.pretrained, **pretrained_load_args(cfg))
 
 
 def program_inputs(cfg: TrainConfig, layout, progs) -> dict[str, tuple]:
@@ -120,7 +113,7 @@ def program_inputs(cfg: TrainConfig, layout, progs) -> dict[str, tuple]:
   S, mesh, r = jax.ShapeDtypeStruct, layout.mesh, cfg.rollout
   rows = lambda shape, dtype: S(shape, dtype, sharding=sharding.batch_sharding(mesh, len(shape)))
   rep = sharding.replicated(mesh)
-  state = _abstract(jax.eval_shape(progs.init, layout.params), layout.state)
+  state = sharding.abstract(jax.eval_shape(progs.init, layout.params), layout.state)
   Bs, P, T = r.sampled_prompts, r.max_prompt_len, r.max_new_tokens
   prompts, lens, step = rows((Bs, P), jnp.int32), rows((Bs,), jnp.int32), S((), jnp.int32,
                                                                              sharding=rep)
@@ -140,7 +133,8 @@ def program_inputs(cfg: TrainConfig, layout, progs) -> dict[str, tuple]:
          "greedy": (layout.params, rows((E, P), jnp.int32), rows((E,), jnp.int32), state.key)}
   if cfg.sft.steps > 0:
     b = cfg.sft.batch_size
-    sft_state = _abstract(jax.eval_shape(progs.sft_init, layout.params), layout.sft_opt_state)
+    sft_state = sharding.abstract(jax.eval_shape(progs.sft_init, layout.params),
+                                  layout.sft_opt_state)
     out["sft"] = (layout.params, sft_state, (rows((b, P), jnp.int32), rows((b,), jnp.int32),
                                              rows((b, T), jnp.int32), rows((b, T), jnp.float32)))
   return out

@@ -67,9 +67,7 @@ def make_layout(params, tx, mesh: Mesh, sft_tx=None) -> Layout:
   state = TrainState(params=ps, opt_state=sharding.optimizer_shardings(tx, params, ps, mesh),
                      step=rep, key=rep)
   sft = None if sft_tx is None else sharding.optimizer_shardings(sft_tx, params, ps, mesh)
-  abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                          params, ps)
-  return Layout(mesh, state, sft, abstract)
+  return Layout(mesh, state, sft, sharding.abstract(params, ps))
 
 
 def step_config(cfg: TrainConfig) -> step.StepConfig:

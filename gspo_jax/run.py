@@ -63,6 +63,14 @@ def _layout(params, tx, mesh, cfg: TrainConfig) -> Layout:
   return make_layout(params, tx, mesh, sft_tx)
 
 
+def pretrained_load_args(cfg: TrainConfig) -> dict[str, Any]:
+  """How `pretrained` is loaded (`hf.load` / `hf.model_config`): the checkpoint fixes the
+  architecture; the parameter dtype is `pretrained_dtype` and how the model runs (remat,
+  ...) the user's `model`."""
+  return {"param_dtype": cfg.pretrained_dtype or None,
+          "execution": {name: getattr(cfg.model, name) for name in EXECUTION_FIELDS}}
+
+
 def make_rollout(graphdef, cfg: TrainConfig, layout: Layout, tok):
   """The run's kind of rollout, chosen here once: multi-turn episodes when `multiturn.env`
   is set (their programs built now), else single-turn groups."""
@@ -186,10 +194,7 @@ def setup(cfg: TrainConfig, run_dir: str) -> Run:
     check_prompts(task, tok, cfg)  # before loading the weights
     check_fits(task, tok, cfg)
     check_positions(hf.config_from_hf(hf.read_config(cfg.pretrained)), cfg.rollout)
-    # The checkpoint fixes the architecture; how it runs (remat, ...) is the user's `model`.
-    execution = {name: getattr(cfg.model, name) for name in EXECUTION_FIELDS}
-    model = hf.load(cfg.pretrained, mesh=mesh, param_dtype=cfg.pretrained_dtype or None,
-                    execution=execution)
+    model = hf.load(cfg.pretrained, mesh=mesh, **pretrained_load_args(cfg))
     cfg = dataclasses.replace(cfg, model=model.cfg)
     check_routing(cfg)
   else:

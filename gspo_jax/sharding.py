@@ -175,11 +175,16 @@ def by_rank(shapes, mesh: Mesh):
                       shapes)
 
 
-def abstract_rows(shapes, mesh: Mesh):
-  """`shapes` (from `jax.eval_shape`) as abstract inputs in the `by_rank` shardings: what
-  a program compiled ahead of time takes (`gspo_jax.plan`)."""
+def abstract(arrays, shardings):
+  """`arrays` (or their shapes) as `jax.ShapeDtypeStruct`s placed in `shardings` (a tree
+  of the same structure): what a program compiled ahead of time takes."""
   return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                      shapes, by_rank(shapes, mesh))
+                      arrays, shardings)
+
+
+def abstract_rows(shapes, mesh: Mesh):
+  """`shapes` (from `jax.eval_shape`) as abstract inputs in the `by_rank` shardings."""
+  return abstract(shapes, by_rank(shapes, mesh))
 
 
 def check_rows(field: str, rows: int, mesh: Mesh) -> None:

@@ -117,3 +117,19 @@ def test_collective_traffic_is_weighted_by_loop_trip_counts(libtpu):
     assert plan._collectives(text)["all-reduce"] == 1
     moved = plan.collective_bytes(text)
     assert moved["all-reduce"] == n * 1024 and moved["dynamic_loops"] == 0
+
+
+def test_a_pretrained_run_is_planned_with_the_model_setup_would_load():
+  """`pretrained`: the architecture from its config.json (this fixture stores float32), the
+  parameter dtype `pretrained_dtype` and how it runs the user's `model.remat`, as
+  `run.setup` loads it (no weight is read)."""
+  import dataclasses
+  from gspo_jax.models import hf
+  fixture = "tests/data/hf_fixtures/qwen3_tied"
+  stored = hf.config_from_hf(hf.read_config(fixture))
+  cfg = TrainConfig(pretrained=fixture, pretrained_dtype="bfloat16",
+                    model=dataclasses.replace(TrainConfig().model, remat="full"))
+  planned = plan._model_cfg(cfg)
+  assert (planned.hidden, planned.num_layers) == (stored.hidden, stored.num_layers)
+  assert planned.param_dtype == "bfloat16" and planned.remat == "full"
+  assert plan._model_cfg(TrainConfig(pretrained=fixture)).param_dtype == "float32"

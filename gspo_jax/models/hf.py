@@ -180,6 +180,18 @@ def read_config(directory: str) -> dict:
     return json.load(f)
 
 
+def model_config(directory: str, *, param_dtype: str | None = None, dtype: str | None = None,
+                 execution: dict[str, Any] | None = None) -> ModelConfig:
+  """The ModelConfig `load` builds for `directory` (its arguments as there), without
+  reading any weight."""
+  cfg = config_from_hf(read_config(directory), param_dtype=param_dtype, dtype=dtype,
+                       source=os.path.join(directory, "config.json"))
+  unknown = set(execution or {}) - set(EXECUTION_FIELDS)
+  if unknown:
+    raise ValueError(f"hf.load: execution takes {EXECUTION_FIELDS}; got {sorted(unknown)}")
+  return dataclasses.replace(cfg, **(execution or {}))
+
+
 def load(directory: str, *, mesh=None, param_dtype: str | None = None,
          dtype: str | None = None, execution: dict[str, Any] | None = None) -> Transformer:
   """Our Transformer with the weights of a Hugging Face directory.
@@ -192,12 +204,7 @@ def load(directory: str, *, mesh=None, param_dtype: str | None = None,
     execution: values of `config.EXECUTION_FIELDS` (remat, attention_chunk, moe_dispatch) to
       run the model with; they change no parameter.
   """
-  cfg = config_from_hf(read_config(directory), param_dtype=param_dtype, dtype=dtype,
-                       source=os.path.join(directory, "config.json"))
-  unknown = set(execution or {}) - set(EXECUTION_FIELDS)
-  if unknown:
-    raise ValueError(f"hf.load: execution takes {EXECUTION_FIELDS}; got {sorted(unknown)}")
-  cfg = dataclasses.replace(cfg, **(execution or {}))
+  cfg = model_config(directory, param_dtype=param_dtype, dtype=dtype, execution=execution)
   ckpt = safetensors_io.Checkpoint(directory)
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
   targets = (sharding_lib.param_shardings(abstract, mesh) if mesh is not None else None)
