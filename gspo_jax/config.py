@@ -280,9 +280,6 @@ class TrainConfig:
     if not self.pretrained:
       check_routing(self)
       check_positions(self.model, self.rollout)
-    elif self.model.scan_layers:
-      raise ValueError("model.scan_layers=True with pretrained: Hugging Face weights load "
-                       "unrolled, one module per layer; set model.scan_layers=False")
     sampling_dtype = self.rollout.sampler_dtype or self.model.dtype
     if self.rollout.kv_cache_dtype == "bfloat16" and sampling_dtype == "float64":
       raise ValueError("rollout.kv_cache_dtype='bfloat16' needs a float32 or bfloat16 sampler; "

@@ -26,11 +26,25 @@ def _check_temperature(fn: str, temperature) -> None:
   _checks.check_positive(fn, "temperature", temperature)
 
 
-def _logprob_of(logits_xV: Array, tokens_x: Array) -> Array:
-  """log softmax(logits)[token] = logit[token] - logsumexp(logits), computed in float."""
-  lse = jax.nn.logsumexp(logits_xV, axis=-1)
-  picked = jnp.take_along_axis(logits_xV, tokens_x[..., None], axis=-1)[..., 0]
-  return picked - lse
+def _logprob_of(logits_xV: Array, tokens_x: Array, vocab_axis: str | None = None) -> Array:
+  """log softmax(logits)[token] = logit[token] - logsumexp(logits), computed in float.
+
+  With `vocab_axis` (inside `jax.shard_map`) each device holds a contiguous slice of the
+  vocabulary, in axis-index order: the max, the sum of exponentials and the picked logit
+  are combined over that axis."""
+  if vocab_axis is None:
+    lse = jax.nn.logsumexp(logits_xV, axis=-1)
+    picked = jnp.take_along_axis(logits_xV, tokens_x[..., None], axis=-1)[..., 0]
+    return picked - lse
+  V = logits_xV.shape[-1]
+  # The shift cancels in value and gradient; stopped before pmax, which has no JVP.
+  top = jax.lax.pmax(jax.lax.stop_gradient(jnp.max(logits_xV, axis=-1)), vocab_axis)
+  lse = jnp.log(jax.lax.psum(jnp.sum(jnp.exp(logits_xV - top[..., None]), axis=-1),
+                             vocab_axis)) + top
+  local = tokens_x - jax.lax.axis_index(vocab_axis) * V
+  mine = (local >= 0) & (local < V)
+  picked = jnp.take_along_axis(logits_xV, jnp.clip(local, 0, V - 1)[..., None], axis=-1)[..., 0]
+  return jax.lax.psum(jnp.where(mine, picked, 0), vocab_axis) - lse
 
 
 def token_logprobs(logits_BxTxV: Array, tokens_BxT: Array, *, temperature=1.0) -> Array:
@@ -97,7 +111,19 @@ def token_logprobs_from_hidden(hidden_BxTxD: Array, unembed_DxV: Array, tokens_B
   return logp_BxT.reshape(*lead, T)
 
 
-def _chunked_logprobs(h_BxTxD, w_DxV, tok_BxT, temperature, chunk):
+def local_logprobs(hidden_BxTxD: Array, unembed_DxV: Array, tokens_BxT: Array, *,
+                   vocab_axis: str, temperature=1.0, chunk_size: int = 128) -> Array:
+  """`token_logprobs_from_hidden` on one device's block inside `jax.shard_map`: its rows,
+  and its slice of the vocabulary along mesh axis `vocab_axis` (the token ids stay
+  global). The weight gradient is summed over the chunks on the device and reduced across
+  devices once, where the shard_map ends; a chunk loop over globally sharded arrays
+  reduces it at every chunk."""
+  T = tokens_BxT.shape[-1]
+  return _chunked_logprobs(hidden_BxTxD, unembed_DxV, tokens_BxT, temperature,
+                           min(chunk_size, T), vocab_axis)
+
+
+def _chunked_logprobs(h_BxTxD, w_DxV, tok_BxT, temperature, chunk, vocab_axis=None):
   B, T, D = h_BxTxD.shape
   num_chunks = -(-T // chunk)
   pad = num_chunks * chunk - T
@@ -114,7 +140,7 @@ def _chunked_logprobs(h_BxTxD, w_DxV, tok_BxT, temperature, chunk):
     logits = jnp.einsum("bkd,dv->bkv", h_BxnxD, w_DxV, preferred_element_type=acc)
     if not (isinstance(temperature, (int, float)) and temperature == 1):
       logits = logits / temperature
-    return _logprob_of(logits, tok_Bxn)
+    return _logprob_of(logits, tok_Bxn, vocab_axis)
 
   logp_ZxBxn = jax.lax.map(lambda args: chunk_logprobs(*args), (h_ZxBxnxD, tok_ZxBxn))
   return logp_ZxBxn.transpose(1, 0, 2).reshape(B, num_chunks * chunk)[:, :T]

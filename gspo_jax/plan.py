@@ -15,8 +15,10 @@ Per program and chip: argument, output, aliased (donated), temporary and generat
 bytes (`memory_analysis`), their peak against the chip's HBM (a verdict per program, and
 for the run), the compile time, the collective ops in the partitioned HLO, and their
 traffic: each collective's result bytes weighted by the trip counts of the loops around it
-(`collective_bytes`; the sampler's early-exit decode loop counts once and is flagged).
-FLOPs and roofline times are not computed yet.
+(`plan_hlo.collective_bytes`; the sampler's early-exit decode loop counts once and is
+flagged), and the bytes each chip sends for them; analytic FLOPs and HBM bytes and the
+roofline time per program (compute, HBM and interconnect at the chip's published peaks,
+the binding one named; `plan_cost`). `--search` plans every data x fsdp x tensor mesh.
 Multi-turn episode programs are not planned (their host loop sits between them).
 """
 
@@ -25,8 +27,10 @@ from __future__ import annotations
 import os
 
 # libtpu, loaded for the topology, looks for a TPU VM's metadata unless told it is not on
-# one; the planner itself runs on the CPU backend.
+# one, and takes a machine-wide lock that another JAX process with libtpu installed may
+# hold; the planner itself runs on the CPU backend.
 for _name, _value in (("JAX_PLATFORMS", "cpu"), ("TPU_SKIP_MDS_QUERY", "1"),
+                      ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1"),
                       ("TPU_ACCELERATOR_TYPE", "v5litepod-4"),
                       ("TPU_WORKER_HOSTNAMES", "localhost")):
   os.environ.setdefault(_name, _value)
@@ -45,30 +49,18 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from gspo_jax import configlib, optim, programs, sharding  # noqa: E402
+from gspo_jax.plan_cost import CHIPS, Chip  # noqa: E402
+from gspo_jax import plan_cost, plan_hlo  # noqa: E402
+from gspo_jax.plan_hlo import COLLECTIVES  # noqa: E402
 from gspo_jax.config import TrainConfig  # noqa: E402
 
 GIB = 2 ** 30
 LIBTPU = "libtpu==0.0.42.1"   # the version jax[tpu]==0.10.2 pins
 
 
-@dataclasses.dataclass(frozen=True)
-class Chip:
-  """Published per-chip figures (Cloud TPU spec sheets), for the verdict and, later, the
-  roofline."""
-  hbm_gib: float
-  bf16_tflops: float
-  hbm_gbs: float
-
-
-CHIPS = {"v4": Chip(32, 275, 1200), "v5e": Chip(16, 197, 819), "v5p": Chip(95, 459, 2765),
-         "v6e": Chip(32, 918, 1640)}
 # Topologies compiled here (any GEN:AxB[xC] of a generation above is tried).
 KNOWN = ("v5e:2x2", "v5e:4x4", "v5e:16x16", "v5p:2x2x2", "v5p:4x4x4", "v6e:2x2", "v6e:8x8",
          "v4:2x2x2")
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
-               "collective-permute")
-
-
 class PlanError(ValueError):
   """A plan refused before anything was compiled (topology, mesh, libtpu, config)."""
 
@@ -157,74 +149,10 @@ def _memory(compiled) -> dict[str, int]:
   return out
 
 
-def _collectives(hlo: str) -> dict[str, int]:
-  """Collective ops in the partitioned HLO, by kind (static: a loop body counts once)."""
-  return {kind: len(re.findall(rf"= \S+ {kind}(-start)?\(", hlo)) for kind in COLLECTIVES}
-
-
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2,
-                "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
-
-
-def _shape_bytes(shape: str) -> int:
-  """Bytes of an HLO result type: `f32[16,13,8]{...}` or a tuple of such."""
-  total = 0
-  for dtype, dims in re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", shape):
-    if dtype in _DTYPE_BYTES:
-      total += _DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
-  return total
-
-
-def collective_bytes(hlo: str) -> dict[str, Any]:
-  """Result bytes of each kind of collective per chip, each op weighted by how often it
-  runs: the product of the trip counts of the loops around it. A loop's trip count is read
-  from its condition (`counter < constant`, as `lax.scan` and `fori_loop` compile); a loop
-  whose condition is anything else (the sampler's decode loop, which exits early) counts
-  once and is listed under `dynamic_loops`."""
-  comps: dict[str, str] = {}
-  for m in re.finditer(r"^(ENTRY )?%(\S+) [^\n]*\{\n(.*?)\n\}", hlo, re.S | re.M):
-    comps[m.group(2)] = m.group(3)
-    if m.group(1):
-      entry = m.group(2)
-  calls: dict[str, list[tuple[str, int]]] = {name: [] for name in comps}
-  dynamic = 0
-  for name, body in comps.items():
-    for line in body.splitlines():
-      loop = re.search(r"\bwhile\(.*condition=%([\w.\-]+), body=%([\w.\-]+)", line)
-      if loop:
-        cond, loop_body = loop.groups()
-        trips = re.search(r"ROOT \S+ = pred\[\]\S* compare\(%[\w.\-]+, %([\w.\-]+)\), "
-                          r"direction=LT", comps.get(cond, ""))
-        bound = trips and re.search(rf"%{re.escape(trips.group(1))} = s32\[\]\S* "
-                                    r"constant\((\d+)\)", comps.get(cond, ""))
-        n = int(bound.group(1)) if bound else 1
-        dynamic += not bound
-        calls[name].append((loop_body, n))
-        continue
-      for callee in re.findall(r"(?:calls|to_apply|body)=%([\w.\-]+)", line):
-        calls[name].append((callee, 1))
-      for group in re.findall(r"branch_computations=\{([^}]*)\}", line):
-        calls[name] += [(c.strip().lstrip("%"), 1) for c in group.split(",")]
-  weight: dict[str, int] = {}
-
-  def visit(name: str, w: int) -> None:
-    weight[name] = weight.get(name, 0) + w
-    for callee, n in calls.get(name, ()):
-      if callee in comps:
-        visit(callee, w * n)
-
-  visit(entry, 1)
-  out = {kind: 0 for kind in COLLECTIVES}
-  for name, body in comps.items():
-    for kind in COLLECTIVES:
-      for shape in re.findall(rf"= (\S+(?: \S+)*?) {kind}(?:-start)?\(", body):
-        out[kind] += weight.get(name, 0) * _shape_bytes(shape)
-  return {**out, "dynamic_loops": dynamic}
-
-
-def plan(cfg: TrainConfig, topology: str) -> dict[str, Any]:
-  """Compile the run's programs for `topology`; the report (see the module docstring).
-  PlanError for a topology, mesh, batch or libtpu that cannot be planned."""
+def plan(cfg: TrainConfig, topology: str, only: tuple[str, ...] = ()) -> dict[str, Any]:
+  """Compile the run's programs (or `only` these) for `topology`; the report (see the
+  module docstring). PlanError for a topology, mesh, batch or libtpu that cannot be
+  planned."""
   from flax import nnx
   from gspo_jax.models.transformer import Transformer
   devices = topology_devices(topology)
@@ -245,10 +173,14 @@ def plan(cfg: TrainConfig, topology: str) -> dict[str, Any]:
   except ValueError as e:  # a parameter axis the mesh does not divide, named by its field
     raise PlanError(str(e)) from None
   progs = programs.make_programs(graphdef, tx, cfg, layout, _ShapeTokenizer(model_cfg.vocab_size))
+  count = sum(math.prod(x.shape) for x in jax.tree.leaves(layout.params))
   report: dict[str, Any] = {
       "topology": topology, "chips": len(devices), "mesh": dict(mesh.shape),
-      "hbm_per_chip_gib": chip.hbm_gib, "param_bytes": _bytes(layout.params),
+      "hbm_per_chip_gib": chip.hbm_gib / chip.devices_per_chip, "params": count,
+      "param_bytes": _bytes(layout.params),
       "param_bytes_per_chip": _bytes(layout.params, per_chip=True), "programs": {}}
+  costs = (plan_cost.program_flops(cfg, model_cfg),
+           plan_cost.program_hbm_bytes(cfg, model_cfg, dict(mesh.shape), count))
   # TPU executables compiled without a TPU client cannot be read back from JAX's persistent
   # compilation cache: keep them out of it (restored below). JAX decides once per process
   # whether the cache is used, so the decision is reset on the way in and out.
@@ -257,17 +189,38 @@ def plan(cfg: TrainConfig, topology: str) -> dict[str, Any]:
   jax.config.update("jax_enable_compilation_cache", False)
   compilation_cache.reset_cache()
   try:
-    report["programs"] = _compile_all(cfg, layout, progs, chip)
+    report["programs"] = _compile_all(cfg, layout, progs, chip, costs, only)
   finally:
     jax.config.update("jax_enable_compilation_cache", cache)
     compilation_cache.reset_cache()
   report["fits"] = all(p["fits"] for p in report["programs"].values())
+  loop = [report["programs"][n] for n in ITERATION if n in report["programs"]]
+  if len(loop) == len(ITERATION) and all("time_s" in p for p in loop):
+    report["iteration_s"] = sum(p["time_s"] for p in loop)
   return report
 
 
-def _compile_all(cfg: TrainConfig, layout, progs, chip: Chip) -> dict[str, Any]:
+def _oom_bytes(message: str) -> float | None:
+  """What XLA's out-of-memory error says the program needs (bytes), when it says."""
+  units = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
+  found = re.search(r"\(([\d.]+)([KMGT])\) exceeds available HBM|Used ([\d.]+)([KMGT]) of",
+                    message)
+  if not found:
+    return None
+  value, unit = (found.group(1), found.group(2)) if found.group(1) else found.group(3, 4)
+  return float(value) * units[unit]
+
+
+# The programs one RL iteration runs (evaluation and the cold start come and go).
+ITERATION = ("sample", "prepare", "update")
+
+
+def _compile_all(cfg: TrainConfig, layout, progs, chip: Chip, costs, only) -> dict[str, Any]:
   out = {}
+  devices = len(layout.mesh.devices.flat)
   for name, args in program_inputs(cfg, layout, progs).items():
+    if only and name not in only:
+      continue
     t0 = time.perf_counter()
     entry: dict[str, Any] = {}
     try:
@@ -276,11 +229,17 @@ def _compile_all(cfg: TrainConfig, layout, progs, chip: Chip) -> dict[str, Any]:
       if not re.search(r"resource_exhausted|hbm|out of memory", str(e), re.I):
         raise
       entry.update(fits=False, error=str(e).splitlines()[0][:300])
+      need = _oom_bytes(str(e))
+      if need:
+        entry["needs"] = need
     else:
       hlo = compiled.as_text()
-      entry.update(_memory(compiled), collectives=_collectives(hlo),
-                   collective_bytes=collective_bytes(hlo))
-      entry["fits"] = entry["peak"] <= chip.hbm_gib * GIB
+      entry.update(_memory(compiled), collectives=plan_hlo.static_counts(hlo),
+                   collective_bytes=plan_hlo.collective_bytes(hlo, devices))
+      entry["fits"] = entry["peak"] <= chip.hbm_gib / chip.devices_per_chip * GIB
+      entry.update(flops=costs[0][name], hbm_bytes=costs[1][name],
+                   **plan_cost.roofline(costs[0][name], costs[1][name],
+                                        entry["collective_bytes"]["wire"], chip, devices))
     entry["compile_s"] = round(time.perf_counter() - t0, 2)
     out[name] = entry
   return out
@@ -289,7 +248,7 @@ def _compile_all(cfg: TrainConfig, layout, progs, chip: Chip) -> dict[str, Any]:
 def format_report(report: dict[str, Any]) -> str:
   gib = lambda b: f"{b / GIB:8.3f}"
   lines = [f"{report['topology']}: {report['chips']} chips, mesh {report['mesh']}, "
-           f"{report['hbm_per_chip_gib']} GiB HBM per chip; parameters "
+           f"{report['hbm_per_chip_gib']:g} GiB HBM per chip; parameters "
            f"{report['param_bytes'] / GIB:.3f} GiB, {report['param_bytes_per_chip'] / GIB:.3f} "
            "GiB per chip",
            f"{'program':8s} {'args':>8s} {'output':>8s} {'donated':>8s} {'temp':>8s} "
@@ -306,13 +265,72 @@ def format_report(report: dict[str, Any]) -> str:
                  f"{gib(p['temp'])} {gib(p['code'])} {gib(p['peak'])}  "
                  f"{'fits' if p['fits'] else 'DOES NOT FIT':12s}  {p['compile_s']:6.1f} s  "
                  f"{gib(moved)}{'+' if loops else ' '} {coll}")
+  lines.append(f"{'program':8s} {'TFLOP':>9s} {'HBM GiB':>8s} {'ICI GiB':>8s} "
+               f"{'compute':>9s} {'HBM':>9s} {'ICI':>9s}  roofline per call (per chip)")
+  ms = lambda s: f"{s * 1e3:7.1f}ms"
+  for name, p in report["programs"].items():
+    if "time_s" in p:
+      lines.append(f"{name:8s} {p['flops'] / 1e12:9.2f} {gib(p['hbm_bytes'])} "
+                   f"{gib(p['collective_bytes']['wire'])} {ms(p['compute_s'])} "
+                   f"{ms(p['hbm_s'])} {ms(p['ici_s'])}  {p['bound']} binds")
+  if "iteration_s" in report:
+    lines.append(f"iteration (sample + prepare + update) at the roofline: "
+                 f"{report['iteration_s']:.3f} s")
+  lines.append("largest collectives (GiB per chip, times run):")
+  for name, p in report["programs"].items():
+    big = p.get("collective_bytes", {}).get("largest", [])
+    if big:
+      lines.append(f"  {name:8s} " + "; ".join(
+          f"{o['kind']} {o['shape']} x{o['times']} = {o['bytes'] / GIB:.2f}" for o in big))
   worst = [n for n, p in report["programs"].items() if not p["fits"]]
   lines.append("traffic: GiB per chip of collective results, each weighted by the trip counts "
-               "of its loops ('+': a loop with an early exit, the decode loop, counted once)")
+               "of its loops ('+': a loop with an early exit, the decode loop, counted once); "
+               "ICI: bytes sent per chip (ring estimates); TFLOP: all chips; HBM: weights, "
+               "optimiser state and KV cache (activations not counted); decode counted to "
+               "max_new_tokens")
   lines.append("verdict: every program fits" if not worst else
                f"verdict: does not fit ({', '.join(worst)} over "
-               f"{report['hbm_per_chip_gib']} GiB per chip)")
+               f"{report['hbm_per_chip_gib']:g} GiB per chip)")
   return "\n".join(lines)
+
+
+def mesh_choices(chips: int) -> list[tuple[int, int, int]]:
+  """Every (data, fsdp, tensor) whose product is `chips`, tensor and data first small."""
+  out = []
+  for tensor in (t for t in range(1, chips + 1) if chips % t == 0):
+    for data in (d for d in range(1, chips // tensor + 1) if chips // tensor % d == 0):
+      out.append((data, chips // tensor // data, tensor))
+  return out
+
+
+def search(cfg: TrainConfig, topology: str, only: tuple[str, ...] = ()) -> dict[str, Any]:
+  """Plan every mesh of the topology's chips; the plans that fit, fastest at the roofline
+  first, and the others with why. PlanError naming the smallest shortfall if none fits."""
+  chips = len(topology_devices(topology))
+  fits, refused, short = [], [], []
+  for data, fsdp, tensor in mesh_choices(chips):
+    mesh = dataclasses.replace(cfg.mesh, data=data, fsdp=fsdp, tensor=tensor, num_devices=0)
+    name = f"data={data} fsdp={fsdp} tensor={tensor}"
+    try:
+      report = plan(dataclasses.replace(cfg, mesh=mesh), topology, only)
+    except PlanError as e:
+      refused.append({"mesh": name, "why": str(e)})
+      continue
+    entry = {"mesh": name, "iteration_s": report.get("iteration_s"), "report": report}
+    if report["fits"]:
+      fits.append(entry)
+    else:
+      over = max(p.get("peak", p.get("needs", math.inf)) - report["hbm_per_chip_gib"] * GIB
+                 for p in report["programs"].values())
+      short.append((over, name))
+  fits.sort(key=lambda e: (e["iteration_s"] is None, e["iteration_s"] or 0))
+  if not fits:
+    detail = (f"; the smallest shortfall: {min(short)[0] / GIB:.2f} GiB per chip over the "
+              f"HBM with {min(short)[1]}") if short and min(short)[0] < math.inf else ""
+    raise PlanError(f"no mesh of {topology}'s {chips} chips fits this config "
+                    f"({len(short)} compiled and too large, {len(refused)} refused){detail}")
+  return {"topology": topology, "fits": fits, "too_large": [n for _, n in sorted(short)],
+          "refused": refused}
 
 
 def main(argv=None) -> dict[str, Any]:
@@ -321,10 +339,28 @@ def main(argv=None) -> dict[str, Any]:
   configlib.add_cli_args(parser)
   parser.add_argument("--topology", required=True, help=f"e.g. {', '.join(KNOWN)}")
   parser.add_argument("--json", action="store_true", help="print the report as JSON")
+  parser.add_argument("--programs", default="",
+                      help="comma-separated programs to compile (default: all); "
+                           f"an iteration's are {','.join(ITERATION)}")
+  parser.add_argument("--search", action="store_true",
+                      help="plan every data x fsdp x tensor mesh of the chips; list those that "
+                           "fit, fastest first")
   args = parser.parse_args(argv)
+  only = tuple(p for p in args.programs.split(",") if p)
   try:
+    unknown = set(only) - set(PROGRAMS)
+    if unknown:
+      raise PlanError(f"--programs: unknown {sorted(unknown)}; the programs are "
+                      f"{', '.join(PROGRAMS)}")
     cfg = configlib.config_from_args(args, TrainConfig)
-    report = plan(cfg, args.topology)
+    if args.search:
+      found = search(cfg, args.topology, only)
+      print(json.dumps(found, indent=2) if args.json else "\n".join(
+          f"{e['mesh']:32s} " + (f"{e['iteration_s']:.3f} s per iteration at the roofline"
+                                 if e["iteration_s"] is not None else "fits")
+          for e in found["fits"]))
+      return found
+    report = plan(cfg, args.topology, only)
   except ValueError as e:  # ConfigError and PlanError: named, nothing written
     raise SystemExit(f"plan error: {e}") from None
   print(json.dumps(report, indent=2) if args.json else format_report(report))
@@ -332,6 +368,8 @@ def main(argv=None) -> dict[str, Any]:
     sys.exit(1)
   return report
 
+
+PROGRAMS = ("init", "sample", "prepare", "update", "greedy", "sft")
 
 if __name__ == "__main__":
   main()

@@ -195,21 +195,25 @@ def make_programs(graphdef, tx, cfg: TrainConfig, layout: Layout, tok) -> Progra
   sft_tx = optim.sft_optimizer(cfg.sft.steps, cfg.sft.learning_rate)
   sft_os = layout.sft_opt_state or rep
   sft_batch = (rows(2), rows(1), rows(2), rows(2))
+  on_mesh = lambda fn: sharding.on_mesh(fn, layout.mesh)
   return Programs(
       init=jax.jit(init, in_shardings=(ps,), out_shardings=layout.state),
       sample=sampler(rollout_cfg, dtype=cfg.rollout.sampler_dtype, rollout=True,
                      outs=rollout_sh),
       greedy=sampler(greedy_cfg, outs=rollout_sh.replace(experts=None)),
-      sft=jax.jit(functools.partial(step.sft_step, graphdef=graphdef, tx=sft_tx),
+      # Training and teacher forcing are traced on the mesh (`sharding.on_mesh`): the
+      # model keeps their activations split by rows there.
+      sft=jax.jit(on_mesh(functools.partial(step.sft_step, graphdef=graphdef, tx=sft_tx)),
                   in_shardings=(ps, sft_os, sft_batch), out_shardings=(ps, sft_os, rep),
                   donate_argnums=(0, 1)),
       sft_init=jax.jit(sft_tx.init, in_shardings=(ps,), out_shardings=sft_os),
       prepare=jax.jit(
-          functools.partial(step.prepare, graphdef=graphdef, cfg=scfg),
+          on_mesh(functools.partial(step.prepare, graphdef=graphdef, cfg=scfg)),
           in_shardings=(ps, ref_sh, rollout_sh, rows(2), rows(1)),
           out_shardings=layout.batch),
       update=jax.jit(
-          functools.partial(step.update, graphdef=graphdef, tx=tx, cfg=scfg, mesh=layout.mesh),
+          on_mesh(functools.partial(step.update, graphdef=graphdef, tx=tx, cfg=scfg,
+                                    mesh=layout.mesh)),
           # rewards_BxG, or per-turn rewards_BxGxK with multiturn.credit="turn"
           in_shardings=(layout.state, layout.batch, layout.batch),
           out_shardings=(layout.state, rep), donate_argnums=(0,)),

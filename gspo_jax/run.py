@@ -65,10 +65,11 @@ def _layout(params, tx, mesh, cfg: TrainConfig) -> Layout:
 
 def pretrained_load_args(cfg: TrainConfig) -> dict[str, Any]:
   """How `pretrained` is loaded (`hf.load` / `hf.model_config`): the checkpoint fixes the
-  architecture; the parameter dtype is `pretrained_dtype` and how the model runs (remat,
-  ...) the user's `model`."""
+  architecture; the parameter dtype is `pretrained_dtype`, and how the model runs (remat,
+  ...) and whether its layers are scanned (stacked on load) the user's `model`."""
   return {"param_dtype": cfg.pretrained_dtype or None,
-          "execution": {name: getattr(cfg.model, name) for name in EXECUTION_FIELDS}}
+          "execution": {name: getattr(cfg.model, name) for name in EXECUTION_FIELDS},
+          "scan_layers": cfg.model.scan_layers}
 
 
 def make_rollout(graphdef, cfg: TrainConfig, layout: Layout, tok):

@@ -13,10 +13,12 @@ breaks ordinary NNX layers whose contracting dimension is sharded).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Mapping
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -124,6 +126,84 @@ def spec_for(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh,
     used |= set(names)
     out.append(names[0] if len(names) == 1 else names)
   return P(*out)
+
+
+def constrain(x: jax.Array, axes: tuple[str | None, ...],
+              rules: Mapping[str, Any] = ACTIVATION_RULES) -> jax.Array:
+  """`x` laid out by its logical `axes` on the mesh of the program being traced, if it has
+  one (`on_mesh`); unchanged otherwise (one device, or code traced without a mesh).
+
+  Model code calls this at a few boundaries so that XLA's propagation cannot choose a
+  layout that is cheap locally and ruinous globally: without it the embedding's
+  (vocab, embed->fsdp) layout spreads into the residual stream, and FSDP turns into
+  tensor parallelism over the whole minibatch (an activation-sized all-reduce per layer).
+  A dimension the mesh axes do not divide is split unevenly (XLA pads it)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return x
+  used, spec = set(), []
+  for name in axes:
+    target = rules.get(name) if name is not None else None
+    names = () if target is None else (target if isinstance(target, tuple) else (target,))
+    names = tuple(n for n in names if n in mesh.shape and n not in used)
+    used |= set(names)
+    spec.append(None if not names else names[0] if len(names) == 1 else names)
+  return jax.lax.with_sharding_constraint(x, P(*spec))
+
+
+def gathered(weights, dtype=None):
+  """Weights (a pytree of `nnx.Variable`s, e.g. one layer's state) as one chip uses them
+  under FSDP: gathered over `fsdp` (still split over `tensor`) on the program's mesh, in
+  `dtype` (the compute dtype every layer casts its weights to anyway: float32 master
+  weights travel at half the bytes in bfloat16), with their gradients laid out as the
+  parameters are. Unchanged without a mesh.
+
+  The custom gradient says where the summed gradient goes: constrained only in the
+  forward pass, the transpose would ask for the full gradient on every chip (an
+  all-reduce of every weight per minibatch) instead of a reduce-scatter to its shard."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.shape.get("fsdp", 1) == 1:
+    return weights
+  used = {"fsdp"}
+  use_rules = {k: (None if v in used else v) for k, v in PARAM_RULES.items()}
+
+  def one(var):
+    axes = tuple(var.get_metadata()["logical_axes"])
+    value = var.get_value()
+    axes = axes[len(axes) - value.ndim:]      # a scanned layer's slice lost its `layers` axis
+    use, keep = spec_for(axes, value.shape, mesh, use_rules), spec_for(axes, value.shape, mesh)
+    if use == keep:
+      return var
+    if dtype is not None and jnp.issubdtype(value.dtype, jnp.floating):
+      value = value.astype(dtype)
+    return var.replace(_gather(value, use, keep))
+  return jax.tree.map(one, weights, is_leaf=_is_variable)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _gather(x, use: P, keep: P):
+  return jax.lax.with_sharding_constraint(x, use)
+
+
+def _gather_fwd(x, use, keep):
+  return _gather(x, use, keep), None
+
+
+def _gather_bwd(use, keep, _, ct):
+  return (jax.lax.with_sharding_constraint(ct, keep),)
+
+
+_gather.defvjp(_gather_fwd, _gather_bwd)
+
+
+def on_mesh(fn, mesh: Mesh):
+  """`fn` traced with `mesh` as its context (what `constrain` reads): the programs'
+  functions are wrapped by this where their jit is built."""
+  @functools.wraps(fn)
+  def traced(*args, **kwargs):
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      return fn(*args, **kwargs)
+  return traced
 
 
 def _is_variable(x) -> bool:

@@ -12,10 +12,15 @@ come from `response_logprobs`.
 
 from __future__ import annotations
 
+import functools
+import math
+
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
-from gspo_jax.logprobs import token_logprobs_from_hidden
+from gspo_jax import sharding
+from gspo_jax.logprobs import local_logprobs, token_logprobs_from_hidden
 from gspo_jax.models.transformer import Transformer
 
 Array = jax.Array
@@ -73,9 +78,26 @@ def response_logprobs(model: Transformer, prompts_BxP: Array, prompt_lens_B: Arr
   src = jnp.concatenate([lens[:, None] - 1, P + jnp.broadcast_to(jnp.arange(T - 1), (B * G, T - 1))],
                         axis=1)
   h = jnp.take_along_axis(out.hidden_BxSxD, src[..., None], axis=1)
-  logp = token_logprobs_from_hidden(h, model.unembed_DxV(), tokens_BxGxT.reshape(B * G, T),
-                                    temperature=temperature, chunk_size=chunk_size)
+  logp = _logprobs(model, h, tokens_BxGxT.reshape(B * G, T), temperature, chunk_size)
   return logp.reshape(B, G, T), out.router
+
+
+def _logprobs(model: Transformer, h_RxTxD: Array, tokens_RxT: Array, temperature, chunk_size):
+  """`token_logprobs_from_hidden`; on a program's mesh (`sharding.on_mesh`), per device
+  (`logprobs.local_logprobs` in a shard_map): each device scores its own rows against the
+  unembedding gathered over fsdp once (vocab stays split by tensor), so logits are never
+  replicated and the weight gradient is reduced once per call, not once per chunk. Rows
+  that the batch axes do not divide take the plain path."""
+  mesh = jax.sharding.get_abstract_mesh()
+  rows = sharding.ACTIVATION_RULES["batch"]
+  if mesh.empty or mesh.size == 1 or h_RxTxD.shape[0] % math.prod(mesh.shape[a] for a in rows):
+    return token_logprobs_from_hidden(h_RxTxD, model.unembed_DxV(), tokens_RxT,
+                                      temperature=temperature, chunk_size=chunk_size)
+  vocab = sharding.PARAM_RULES["vocab"]
+  local = functools.partial(local_logprobs, vocab_axis=vocab, temperature=temperature,
+                            chunk_size=chunk_size)
+  return jax.shard_map(local, in_specs=(P(rows), P(None, vocab), P(rows)),
+                       out_specs=P(rows))(h_RxTxD, model.unembed_DxV(gather=True), tokens_RxT)
 
 
 def _shared_prefix_logprobs(model: Transformer, prompts_BxP, prompt_lens_B, tokens_BxGxT, *,
@@ -95,8 +117,7 @@ def _shared_prefix_logprobs(model: Transformer, prompts_BxP, prompt_lens_B, toke
   # Response token 0 is predicted by the last prompt token, token t by response token t-1.
   first = jnp.broadcast_to(last_BxD[:, None, None], (B, G, 1, last_BxD.shape[-1]))
   h = jnp.concatenate([first.reshape(B * G, 1, -1), cont.hidden_BxSxD[:, :T - 1]], axis=1)
-  logp = token_logprobs_from_hidden(h, model.unembed_DxV(), tokens_BxGxT.reshape(B * G, T),
-                                    temperature=temperature, chunk_size=chunk_size)
+  logp = _logprobs(model, h, tokens_BxGxT.reshape(B * G, T), temperature, chunk_size)
   # Expert choices in the layout of the unshared forward: (B*G, P+T, K) per MoE layer.
   indices = tuple(jnp.concatenate([jnp.repeat(p, G, axis=0), c], axis=1)
                   for p, c in zip(prefix.router.indices, cont.router.indices))

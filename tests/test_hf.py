@@ -204,3 +204,30 @@ def test_live_fresh_random_checkpoints_of_every_case(tmp_path):
       want = theirs(input_ids=torch.from_numpy(ids)).logits.numpy()
     np.testing.assert_allclose(logits(hf.load(str(tmp_path / name)), ids), want, atol=1e-4,
                                err_msg=name)
+
+
+@pytest.mark.parametrize("case", ["qwen3_untied", "qwen3_tied", "qwen3_moe_nonorm"])
+def test_a_checkpoint_loads_into_the_scanned_model_and_exports_back(case, tmp_path):
+  """`scan_layers=True`: every layer weight stacked on a leading axis in layer order (layer i
+  of the stack is the unrolled model's layer i, bit for bit), placed in its sharding on a
+  2x2x2 mesh; the scanned model's logits equal transformers'; exporting it writes the
+  checkpoint's own tensors."""
+  unrolled = hf.load(fixture(case))
+  mesh = sharding.make_mesh(sharding.MeshConfig(data=2, fsdp=2, tensor=2))
+  scanned = hf.load(fixture(case), mesh=mesh, scan_layers=True)
+  assert scanned.cfg == dataclasses.replace(unrolled.cfg, scan_layers=True)
+  stacked = dict(nnx.to_flat_state(nnx.state(scanned.layers)))
+  for i, layer in enumerate(unrolled.layers):
+    for path, var in nnx.to_flat_state(nnx.state(layer)):
+      np.testing.assert_array_equal(np.asarray(stacked[path][...][i]), np.asarray(var[...]))
+  for var in jax.tree.leaves(nnx.state(scanned), is_leaf=lambda x: isinstance(x, nnx.Variable)):
+    assert var[...].sharding.spec == sharding.spec_for(var.get_metadata()["logical_axes"],
+                                                       var[...].shape, mesh)
+  ids = np.load(os.path.join(fixture(case), "inputs.npy"))
+  np.testing.assert_allclose(logits(scanned, ids), np.load(os.path.join(fixture(case), "logits.npy")),
+                             atol=1e-5, rtol=0)
+  hf.save(scanned, str(tmp_path))
+  ours, theirs = safetensors_io.Checkpoint(str(tmp_path)), safetensors_io.Checkpoint(fixture(case))
+  assert sorted(ours.names()) == sorted(theirs.names())
+  for name in theirs.names():
+    np.testing.assert_array_equal(ours.tensor(name), theirs.tensor(name))

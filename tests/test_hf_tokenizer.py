@@ -125,8 +125,9 @@ def test_a_pretrained_model_runs_with_the_users_execution_settings(model_dir):
   assert run_as == dataclasses.replace(stored, remat="dots", attention_chunk=8)
   with pytest.raises(ValueError, match=r"execution takes .*\['hidden'\]"):
     hf.load(str(model_dir), execution=dict(hidden=8))
-  with pytest.raises(ValueError, match="model.scan_layers=True with pretrained"):
-    C.TrainConfig(pretrained=str(model_dir), model=config.tiny(vocab_size=32, scan_layers=True))
+  # scan_layers is the user's too: the checkpoint's layers load stacked (tests/test_hf.py).
+  cfg = C.TrainConfig(pretrained=str(model_dir), model=config.tiny(vocab_size=32, scan_layers=True))
+  assert hf.model_config(str(model_dir), **R.pretrained_load_args(cfg)).scan_layers
 
 
 def test_training_starts_from_a_pretrained_directory(model_dir, tmp_path):

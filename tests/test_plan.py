@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from gspo_jax import configlib, plan
+from gspo_jax import configlib, plan, plan_hlo
 from gspo_jax.config import TrainConfig
 
 SMOKE = "configs/addition_tiny.py:smoke"
@@ -114,8 +114,8 @@ def test_collective_traffic_is_weighted_by_loop_trip_counts(libtpu):
 
   for n in (3, 6):
     text = hlo(n)
-    assert plan._collectives(text)["all-reduce"] == 1
-    moved = plan.collective_bytes(text)
+    assert plan_hlo.static_counts(text)["all-reduce"] == 1
+    moved = plan_hlo.collective_bytes(text)
     assert moved["all-reduce"] == n * 1024 and moved["dynamic_loops"] == 0
 
 
@@ -133,3 +133,79 @@ def test_a_pretrained_run_is_planned_with_the_model_setup_would_load():
   assert (planned.hidden, planned.num_layers) == (stored.hidden, stored.num_layers)
   assert planned.param_dtype == "bfloat16" and planned.remat == "full"
   assert plan._model_cfg(TrainConfig(pretrained=fixture)).param_dtype == "float32"
+
+
+def test_analytic_flops_match_xla_count_of_an_unrolled_forward():
+  """`plan_cost.teacher_forcing_flops` (the count behind the roofline) against XLA's own
+  count of the same teacher-forced pass, which is exact here: unrolled layers and one
+  log-prob chunk leave no loop for `cost_analysis` to count once. XLA also counts the
+  elementwise work (norms, softmax, RoPE), so it may only be a little larger."""
+  import jax.numpy as jnp
+  from flax import nnx
+  from gspo_jax import plan_cost
+  from gspo_jax.models.config import tiny
+  from gspo_jax.models.transformer import Transformer
+  from gspo_jax.teacher_forcing import response_logprobs
+  m = tiny(vocab_size=512, hidden=256, mlp_dim=1024, num_heads=4, num_kv_heads=2,
+           head_dim=64, num_layers=2)
+  B, G, P, T = 2, 4, 16, 32
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(m, rngs=nnx.Rngs(0))))
+
+  def forward(state, prompts, lens, tokens):
+    return response_logprobs(nnx.merge(graphdef, state), prompts, lens, tokens,
+                             share_prompts=True)[0]
+
+  S = jax.ShapeDtypeStruct
+  compiled = jax.jit(forward).lower(state, S((B, P), jnp.int32), S((B,), jnp.int32),
+                                    S((B, G, T), jnp.int32)).compile()
+  xla = compiled.cost_analysis()["flops"]
+  ours = plan_cost.teacher_forcing_flops(m, B, G, P, T, share_prompts=True)
+  assert ours <= xla <= 1.1 * ours, (ours, xla)
+
+
+def test_interconnect_bytes_per_chip_follow_ring_algorithms():
+  from gspo_jax import plan_cost
+  assert plan_cost.group_size("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}, x", 8) == 4
+  assert plan_cost.group_size("replica_groups=mesh['a'=2,'b'=4] {'a','b'}, x", 8) == 8
+  assert plan_cost.group_size("replica_groups=[2,4]<=[8], x", 8) == 4
+  assert plan_cost.group_size("replica_groups={{0,1},{2,3}}, x", 4) == 2
+  assert plan_cost.group_size("source_target_pairs={{0,1}}", 16) == 16
+  S = 1024
+  assert plan_cost.wire_bytes("all-reduce", S, 4) == 2 * S * 3 / 4
+  assert plan_cost.wire_bytes("all-gather", S, 4) == S * 3 / 4
+  assert plan_cost.wire_bytes("reduce-scatter", S // 4, 4) == S * 3 / 4   # the same S moved
+  assert plan_cost.wire_bytes("all-reduce", S, 1) == 0
+  chip = plan_cost.CHIPS["v5e"]
+  r = plan_cost.roofline(4 * 197e12, 819e9 / 2, 200e9 * 3, chip, devices=4)
+  assert (r["compute_s"], r["hbm_s"], r["ici_s"]) == (1.0, 0.5, 3.0) and r["bound"] == "ici"
+
+
+def test_a_reduce_scatter_written_as_an_all_reduce_fusion_counts_its_shard():
+  """TPU compiles a reduce-scatter as a fusion named all-reduce-scatter around an
+  all-reduce of the full array: counted as a reduce-scatter, its result one chip's 1/n."""
+  hlo = ("%all-reduce-scatter.1 (p: f32[1024]) -> f32[256] {\n"
+         "  %ar = f32[1024]{0} all-reduce(%p), channel_id=7, replica_groups={{0,1,2,3}}, "
+         "to_apply=%add\n  ROOT %s = f32[256]{0} slice(%ar)\n}\n\n"
+         "ENTRY %main (x: f32[1024]) -> f32[256] {\n"
+         "  ROOT %f = f32[256]{0} fusion(%x), kind=kCustom, calls=%all-reduce-scatter.1\n}\n")
+  moved = plan_hlo.collective_bytes(hlo, devices=4)
+  assert moved["reduce-scatter"] == 1024 and moved["all-reduce"] == 0
+  assert moved["wire"] == 4096 * 3 / 4
+
+
+def test_search_lists_the_meshes_that_fit_and_names_the_smallest_shortfall(libtpu):
+  assert plan.mesh_choices(4) == [(1, 4, 1), (2, 2, 1), (4, 1, 1), (1, 2, 2), (2, 1, 2),
+                                  (1, 1, 4)]
+  found = plan.search(smoke(), "v5e:2x2", only=("init",))
+  assert [e["mesh"] for e in found["fits"]] == ["data=1 fsdp=4 tensor=1",
+                                                "data=2 fsdp=2 tensor=1",
+                                                "data=4 fsdp=1 tensor=1"]
+  # The smoke model has one kv head: no tensor axis divides it (refused by name).
+  assert len(found["refused"]) == 3 and all("model.num_kv_heads" in r["why"]
+                                            for r in found["refused"])
+  big = smoke("model.hidden=16384", "model.mlp_dim=65536", "model.num_heads=64",
+              "model.num_kv_heads=8", "model.head_dim=128", "model.num_layers=4")
+  with pytest.raises(plan.PlanError, match=r"no mesh of v5e:2x2's 4 chips fits this config "
+                                           r".*the smallest shortfall: .* GiB per chip over "
+                                           r"the HBM with data=1 fsdp=2 tensor=2"):
+    plan.search(big, "v5e:2x2", only=("init",))

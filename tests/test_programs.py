@@ -6,7 +6,7 @@ import argparse
 
 from gspo_jax import config as C
 from gspo_jax import losses, programs, step
-from gspo_jax.models.config import tiny_moe
+from gspo_jax.models.config import tiny, tiny_moe
 from gspo_jax.programs import step_config
 
 
@@ -43,3 +43,42 @@ def test_sampler_configs_of_the_rollout_and_the_greedy_evaluation():
   replay = C.TrainConfig(model=tiny_moe(), routing="rollout_replay")
   rollout, greedy = programs.sampler_configs(tok, replay)
   assert rollout.record_experts and not greedy.record_experts
+
+
+def _compiled_update_hlo(cfg) -> str:
+  """The run's update program compiled on the simulated CPU devices, from abstract inputs."""
+  from flax import nnx
+  from gspo_jax import optim, plan, sharding
+  from gspo_jax.models.transformer import Transformer
+  mesh = sharding.make_mesh(cfg.mesh)
+  graphdef, params = nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0))),
+                               nnx.Param)
+  tx = optim.make_optimizer(cfg.optim)
+  layout = programs.make_layout(params, tx, mesh, None)
+  progs = programs.make_programs(graphdef, tx, cfg, layout,
+                                 plan._ShapeTokenizer(cfg.model.vocab_size))
+  return progs.update.lower(*plan.program_inputs(cfg, layout, progs)["update"]).compile().as_text()
+
+
+def test_the_update_keeps_activations_split_by_rows_on_8_devices():
+  """FSDP over 8 simulated devices: no all-reduce in the compiled update carries a
+  minibatch's activations (a result with its R = 16 rows x S = 24 positions, or R*S = 384
+  tokens): each device computes its own rows with gathered weights, and only weights'
+  gradients are reduced. Without the row constraints (`sharding.constrain` in the model)
+  the residual stream took the embedding's (vocab, embed->fsdp) layout and the attention
+  and MLP partial sums of every token were all-reduced in each layer."""
+  import re
+  from gspo_jax import sharding
+  cfg = C.TrainConfig(
+      model=tiny(vocab_size=64, hidden=64, mlp_dim=128, num_heads=2, num_kv_heads=2,
+                 head_dim=16, num_layers=2, scan_layers=True),
+      rollout=C.RolloutConfig(prompts_per_iter=8, group_size=4, max_new_tokens=16,
+                              max_prompt_len=8),
+      sft=C.SFTConfig(steps=0), num_minibatches=2, mesh=sharding.MeshConfig(data=1, fsdp=8))
+  hlo = _compiled_update_hlo(cfg)
+  reduced = [tuple(int(d) for d in dims.split(",") if d)
+             for dims in re.findall(r"= \w+\[([\d,]*)\]\S* all-reduce\(", hlo)]
+  assert reduced, "expected the weights' gradients to be reduced"
+  R, S = 16, 24
+  tokens = [dims for dims in reduced if R * S in dims or (R in dims and S in dims)]
+  assert not tokens, f"activation-sized all-reduces {tokens} in the update"

@@ -12,7 +12,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from gspo_jax import sampling, sharding
-from gspo_jax.models import config, hf, transformer
+from gspo_jax.models import config, transformer
 from gspo_jax.models.transformer import Transformer
 from tests.helpers import compiled_sampler, loop_copies
 
@@ -125,5 +125,3 @@ def test_unsupported_combinations_name_the_field(tmp_path):
     config.tiny_moe(num_layers=3, moe_layers=(1,), scan_layers=True)
   with pytest.raises(ValueError, match="ModelConfig.remat must be one of"):
     config.tiny(remat="some")
-  with pytest.raises(ValueError, match="ModelConfig.scan_layers=True"):
-    hf.save(transformer.create(config.tiny(scan_layers=True)), str(tmp_path))

@@ -127,6 +127,23 @@ def qwen3_0_6b(**overrides) -> ModelConfig:
   return ModelConfig(**{**base, **overrides})
 
 
+def qwen3_1_7b(**overrides) -> ModelConfig:
+  """Qwen/Qwen3-1.7B shapes (config.json: 28 layers, hidden 2048, 16/8 heads, tied)."""
+  return qwen3_0_6b(**{"hidden": 2048, "mlp_dim": 6144, **overrides})
+
+
+def qwen3_4b(**overrides) -> ModelConfig:
+  """Qwen/Qwen3-4B shapes (config.json: 36 layers, hidden 2560, 32/8 heads, tied)."""
+  return qwen3_0_6b(**{"hidden": 2560, "num_layers": 36, "num_heads": 32, "mlp_dim": 9728,
+                       **overrides})
+
+
+def qwen3_8b(**overrides) -> ModelConfig:
+  """Qwen/Qwen3-8B shapes (config.json: 36 layers, hidden 4096, 32/8 heads, untied)."""
+  return qwen3_0_6b(**{"hidden": 4096, "num_layers": 36, "num_heads": 32, "mlp_dim": 12288,
+                       "tie_embeddings": False, **overrides})
+
+
 def qwen3_30b_a3b(**overrides) -> ModelConfig:
   """Qwen/Qwen3-30B-A3B shapes: 48 MoE layers, 128 experts, top-8 (the paper's model)."""
   base = dict(vocab_size=151936, hidden=2048, num_layers=48, num_heads=32, num_kv_heads=4,
@@ -137,4 +154,5 @@ def qwen3_30b_a3b(**overrides) -> ModelConfig:
 
 
 PRESETS = {"tiny": tiny, "tiny_moe": tiny_moe, "qwen3_0_6b": qwen3_0_6b,
+           "qwen3_1_7b": qwen3_1_7b, "qwen3_4b": qwen3_4b, "qwen3_8b": qwen3_8b,
            "qwen3_30b_a3b": qwen3_30b_a3b}

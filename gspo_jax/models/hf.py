@@ -169,6 +169,19 @@ def tensor_map(cfg: ModelConfig) -> Iterator[tuple[tuple, tuple[str, ...], Calla
                lambda x: (x.T,))
 
 
+def stacked_tensor_map(cfg: ModelConfig):
+  """`tensor_map` grouped by our state path: (path, stacked, [(HF names, to_ours), ...]).
+  Unrolled: one entry per path. Scanned (`cfg.scan_layers`): a layer weight's path drops
+  the layer index and lists the L layers' entries in order (`stacked`)."""
+  groups: dict[tuple, list] = {}
+  unrolled = dataclasses.replace(cfg, scan_layers=False)
+  for path, names, to_ours, _ in tensor_map(unrolled):
+    key = (path[0], *path[2:]) if cfg.scan_layers and path[0] == "layers" else path
+    groups.setdefault(key, []).append((names, to_ours))
+  for path, entries in groups.items():
+    yield path, cfg.scan_layers and path[0] == "layers", entries
+
+
 # ------------------------------------------------------------------------------ load / save
 
 
@@ -181,7 +194,8 @@ def read_config(directory: str) -> dict:
 
 
 def model_config(directory: str, *, param_dtype: str | None = None, dtype: str | None = None,
-                 execution: dict[str, Any] | None = None) -> ModelConfig:
+                 execution: dict[str, Any] | None = None,
+                 scan_layers: bool = False) -> ModelConfig:
   """The ModelConfig `load` builds for `directory` (its arguments as there), without
   reading any weight."""
   cfg = config_from_hf(read_config(directory), param_dtype=param_dtype, dtype=dtype,
@@ -189,11 +203,12 @@ def model_config(directory: str, *, param_dtype: str | None = None, dtype: str |
   unknown = set(execution or {}) - set(EXECUTION_FIELDS)
   if unknown:
     raise ValueError(f"hf.load: execution takes {EXECUTION_FIELDS}; got {sorted(unknown)}")
-  return dataclasses.replace(cfg, **(execution or {}))
+  return dataclasses.replace(cfg, **(execution or {}), scan_layers=scan_layers)
 
 
 def load(directory: str, *, mesh=None, param_dtype: str | None = None,
-         dtype: str | None = None, execution: dict[str, Any] | None = None) -> Transformer:
+         dtype: str | None = None, execution: dict[str, Any] | None = None,
+         scan_layers: bool = False) -> Transformer:
   """Our Transformer with the weights of a Hugging Face directory.
 
   Args:
@@ -203,27 +218,40 @@ def load(directory: str, *, mesh=None, param_dtype: str | None = None,
     param_dtype, dtype: override the stored dtype (bf16 checkpoints stay bf16 by default).
     execution: values of `config.EXECUTION_FIELDS` (remat, attention_chunk, moe_dispatch) to
       run the model with; they change no parameter.
+    scan_layers: load into the scanned model (`ModelConfig.scan_layers`): each weight of
+      the L layers stacked on a leading `layers` axis (`stacked_tensor_map`); one stacked
+      weight at a time is held on the host.
   """
-  cfg = model_config(directory, param_dtype=param_dtype, dtype=dtype, execution=execution)
+  cfg = model_config(directory, param_dtype=param_dtype, dtype=dtype, execution=execution,
+                     scan_layers=scan_layers)
   ckpt = safetensors_io.Checkpoint(directory)
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
   targets = (sharding_lib.param_shardings(abstract, mesh) if mesh is not None else None)
   flat = dict(nnx.to_flat_state(abstract))
   shard_flat = dict(nnx.to_flat_state(targets)) if targets is not None else {}
   used = set()
-  for path, names, to_ours, _ in tensor_map(cfg):
-    var = flat[path]
-    want = var.get_value()
+
+  def convert(names, to_ours, want_shape, path, dtype):
     arrays = [ckpt.tensor(n) for n in names]
     used.update(names)
     try:
-      value = np.asarray(to_ours(*arrays), dtype=want.dtype)
+      value = np.asarray(to_ours(*arrays), dtype=dtype)
     except ValueError as e:
       raise CheckpointError(f"{directory}: tensor {names[0]!r} has shape {arrays[0].shape}, which "
                             f"does not fit the config ({e})") from None
-    if value.shape != want.shape:
+    if value.shape != want_shape:
       raise CheckpointError(f"{directory}: tensor {names[0]!r} has shape {arrays[0].shape}; the "
-                            f"config implies {want.shape} for {'.'.join(map(str, path))}")
+                            f"config implies {want_shape} for {'.'.join(map(str, path))}")
+    return value
+
+  for path, stacked, entries in stacked_tensor_map(cfg):
+    var = flat[path]
+    want = var.get_value()
+    if stacked:  # the scanned model's weight: layer i's tensor at [i]
+      value = np.stack([convert(names, to_ours, want.shape[1:], (*path, i), want.dtype)
+                        for i, (names, to_ours) in enumerate(entries)])
+    else:
+      value = convert(*entries[0], want.shape, path, want.dtype)
     if path in shard_flat:
       target = shard_flat[path].get_value()
       array = jax.make_array_from_callback(value.shape, target, lambda idx, v=value: v[idx])
@@ -241,14 +269,14 @@ def save(model: Transformer, directory: str, *, max_shard_bytes: int = 5 * 2**30
   """Write `model` as a Hugging Face directory (config.json + safetensors). Multi-host:
   every process calls it; process 0 gathers each tensor and writes."""
   cfg = model.cfg
-  if cfg.scan_layers:
-    raise ValueError("hf.save: a model with ModelConfig.scan_layers=True stores its layers "
-                     "stacked; save the unrolled model (scan_layers=False) instead")
   flat = dict(nnx.to_flat_state(nnx.state(model)))
 
   def tensors():
-    for path, names, _, to_hf in tensor_map(cfg):
-      value = flat[path].get_value()
+    for path, names, _, to_hf in tensor_map(dataclasses.replace(cfg, scan_layers=False)):
+      if cfg.scan_layers and path[0] == "layers":  # layer i of the stacked weight
+        value = flat[(path[0], *path[2:])].get_value()[path[1]]
+      else:
+        value = flat[path].get_value()
       if not value.is_fully_addressable:
         from jax.experimental import multihost_utils
         value = multihost_utils.process_allgather(value, tiled=True)

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from gspo_jax import sharding
 from gspo_jax.models.attention import Attention, attend
 from gspo_jax.models.config import ModelConfig
 from gspo_jax.models.layers import MLP, RMSNorm, param
@@ -99,6 +100,9 @@ class KVCache:
                         v=jax.tree.map(lambda x: pad(x, -2), self.v))
 
 
+# Logical axes of the residual stream x_BxSxD in training and teacher forcing.
+ROWS = ("batch", "seq", None)
+
 # cfg.remat -> the jax.checkpoint policy of each layer in the backward pass.
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,      # keep only each layer's input
@@ -153,8 +157,14 @@ class Transformer(nnx.Module):
     self.lm_head = None if cfg.tie_embeddings else param(
         rngs, (cfg.hidden, cfg.vocab_size), ("embed", "vocab"), pd)
 
-  def unembed_DxV(self) -> Array:
-    return self.embed[...].T if self.lm_head is None else self.lm_head[...]
+  def unembed_DxV(self, gather: bool = False) -> Array:
+    """The output projection in the compute dtype (as every weight; the logits accumulate
+    in float32); with `gather`, as one chip uses it under FSDP on a program's mesh
+    (`sharding.gathered`: gathered once per call, gradients reduce-scattered)."""
+    w = self.embed if self.lm_head is None else self.lm_head
+    w = sharding.gathered(w, self.dtype) if gather else w
+    w = w[...].astype(self.dtype)
+    return w.T if self.lm_head is None else w
 
   def logits(self, hidden_xD: Array) -> Array:
     """Float32 logits of hidden states of any leading shape."""
@@ -163,6 +173,13 @@ class Transformer(nnx.Module):
 
   def _embed(self, tokens: Array) -> Array:
     return jnp.take(self.embed[...], tokens, axis=0).astype(self.dtype)
+
+  def _embed_rows(self, tokens: Array) -> Array:
+    """`_embed` on a program's mesh without gathering the table: every chip looks up all
+    rows' tokens in its slice of the embedding width, and the result is then split by rows
+    (an all-to-all of activations instead of an all-gather of the whole table)."""
+    tokens = sharding.constrain(tokens, (None,) * tokens.ndim)
+    return sharding.constrain(self._embed(tokens), ROWS)
 
   def __call__(self, tokens_BxS: Array, positions_BxS: Array, valid_BxS: Array | None = None, *,
                replay: tuple[Array, ...] | None = None,
@@ -181,7 +198,7 @@ class Transformer(nnx.Module):
     self._check_replay(replay)
     mask_BxGxSxS = (valid[:, None, :] & (positions_BxS[:, None, :] <= positions_BxS[:, :, None])
                     )[:, None]
-    x = self._embed(tokens_BxS) if embeds_BxSxD is None else embeds_BxSxD.astype(self.dtype)
+    x = self._embed_rows(tokens_BxS) if embeds_BxSxD is None else embeds_BxSxD.astype(self.dtype)
 
     def layer_fn(graphdef, params, x, replay_BxSxK):
       """One block as a pure function of its parameters (what scan and remat need)."""
@@ -219,7 +236,7 @@ class Transformer(nnx.Module):
     valid = jnp.ones((B * G, T), bool)
     prefix_mask = prefix_valid_BxP.astype(bool)[:, None, None, :]    # (B, 1, 1, P)
     own_mask = jnp.tril(jnp.ones((T, T), bool))[None, None]          # causal, (1, 1, T, T)
-    x = self._embed(tokens_BxGxT.reshape(B * G, T))
+    x = self._embed_rows(tokens_BxGxT.reshape(B * G, T))
 
     def layer_fn(graphdef, params, x, prefix_k, prefix_v, replay_BxSxK):
       layer = nnx.merge(graphdef, params)
@@ -235,7 +252,19 @@ class Transformer(nnx.Module):
 
   def _run_layers(self, layer_fn, x, per_layer, replay) -> ModelOutput:
     """x through every block: `layer_fn(graphdef, params, x, *per_layer[i], replay_i)`
-    (per_layer: tuples of `Layers`), scanned or unrolled, with `cfg.remat`."""
+    (per_layer: tuples of `Layers`), scanned or unrolled, with `cfg.remat`.
+
+    The residual stream is kept split by rows (`ROWS`) on a program's mesh: each chip
+    then gathers a layer's weights once (FSDP) instead of all-reducing the whole batch's
+    activations inside every matmul. Decode does not come here: one token per row is too
+    little work to pay for gathering every weight at every step."""
+    x = sharding.constrain(x, ROWS)
+    inner = layer_fn
+
+    def layer_fn(graphdef, params, x, *rest):
+      x, outs = inner(graphdef, sharding.gathered(params, self.dtype), x, *rest)
+      return sharding.constrain(x, ROWS), outs
+
     if self.cfg.remat != "none":
       layer_fn = jax.checkpoint(layer_fn, policy=REMAT_POLICIES[self.cfg.remat],
                                 static_argnums=(0,))
