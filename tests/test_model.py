@@ -244,3 +244,19 @@ def test_float32_master_parameters_keep_an_rl_sized_step_that_bfloat16_rounds_aw
   assert changed["float32"] == 1.0 and changed["bfloat16"] < 0.05, changed
   assert config.qwen3_0_6b().param_dtype == config.qwen3_30b_a3b().param_dtype == "float32"
   assert config.qwen3_0_6b().dtype == "bfloat16"
+
+
+@pytest.mark.parametrize("preset,total,non_embedding", [
+    ("qwen3_0_6b", 0.596, 0.440), ("qwen3_1_7b", 1.721, 1.409), ("qwen3_4b", 4.022, 3.634),
+    ("qwen3_8b", 8.191, 6.946)])
+def test_qwen3_presets_have_the_model_cards_parameter_counts(preset, total, non_embedding):
+  """The planner's and the recipes' shapes: the model cards give 0.6B (0.44B without the
+  embedding), 1.7B (1.4B), 4.0B (3.6B), 8.2B (6.95B); the embedding is tied below 8B."""
+  from gspo_jax.models.config import PRESETS
+  cfg = PRESETS[preset]()
+  params = nnx.state(nnx.eval_shape(lambda: transformer.Transformer(cfg, rngs=nnx.Rngs(0))),
+                     nnx.Param)
+  count = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+  embedding = cfg.vocab_size * cfg.hidden * (1 if cfg.tie_embeddings else 2)
+  assert round(count / 1e9, 3) == total and round((count - embedding) / 1e9, 3) == non_embedding
+  assert cfg.tie_embeddings == (preset != "qwen3_8b")
