@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from experiments import _runs
 from gspo_jax.config import LossConfig, TrainConfig
 from gspo_jax.models.config import tiny_moe
@@ -67,11 +69,13 @@ def config(variant: str, seed: int, quick: bool, iterations: int | None, lr: flo
 
 def summarise(runs) -> dict:
   keys = ("clip_frac_token", "clip_frac_seq", "routing_changed", "ratio_max", "ratio_min",
-          "skipped_updates")
+          "skipped_updates", "approx_kl")
   out = {v: _runs.summarise(items, mean_keys=keys) for v, items in runs.items()}
-  for v, items in runs.items():  # the extremes over training, per seed
+  for v, items in runs.items():  # the extremes over training and their medians, per seed
     out[v]["ratio_max_max"] = [max(r["ratio_max"] for r in it["rows"]) for it in items]
     out[v]["ratio_min_min"] = [min(r["ratio_min"] for r in it["rows"]) for it in items]
+    for key in ("ratio_min", "ratio_max"):
+      out[v][f"{key}_median"] = [float(np.median([r[key] for r in it["rows"]])) for it in items]
   return out
 
 
@@ -80,8 +84,8 @@ def plot(runs, out: str) -> list[str]:
       _runs.plot_curves(runs, out, "routing_changed.png", "routing_changed",
                         "expert sets changed vs pi_old", smooth=10,
                         colours=COLOURS),
-      _runs.plot_curves(runs, out, "ratio_range.png", "ratio_max",
-                        "largest importance ratio in the update", log=True, colours=COLOURS)]
+      _runs.plot_range(runs, out, "ratio_range.png", ("ratio_min", "ratio_max"),
+                       "smallest and largest ratio in the update", colours=COLOURS)]
 
 
 def main(argv=None):
