@@ -280,6 +280,9 @@ def main(argv, *, doc: str, name: str, variants, config, summarise, plot, seeds=
   parser.add_argument("--seeds", nargs="+", type=int, default=list(seeds))
   parser.add_argument("--iterations", type=int, default=None, help="override the config's")
   parser.add_argument("--plot-only", action="store_true", help="only summarise finished runs")
+  parser.add_argument("--set", dest="overrides", nargs="+", default=[], metavar="KEY=VALUE",
+                      help="config overrides for every run (configlib.apply_overrides), e.g. "
+                           "task.steps=6 num_minibatches=8 sft.check_every=5")
   parser.add_argument("--out", default=None,
                       help=f"default: runs/results/{name}[_long][_quick], or under "
                            "experiments/results/ with --record")
@@ -293,7 +296,7 @@ def main(argv, *, doc: str, name: str, variants, config, summarise, plot, seeds=
     os.makedirs(out, exist_ok=True)
     for seed in args.seeds:
       for v in args.variants:
-        run_one(out, v, seed, config(v, seed, args))
+        run_one(out, v, seed, configlib.apply_overrides(config(v, seed, args), args.overrides))
   runs = load_runs(out)
   if not runs:
     parser.error(NO_RUNS.format(out=os.path.join(out, "runs")))

@@ -22,6 +22,7 @@ differ from the float32 trainer's:
     python -m experiments.routing_replay --plot-only
     python -m experiments.routing_replay --task long --seeds 0 1 2   # configs/long_chain.py
     python -m experiments.routing_replay --task long --seeds 0 1 --variants grpo_replay_bf16 grpo_r3_bf16
+    python -m experiments.routing_replay --task long --layers 8 --seeds 0 1 2 3   # deeper MoE
 
 Writes under --out: runs/<variant>_seed<k>/, summary.json, reward.png, heldout.png,
 routing_changed.png, clip_fraction.png, ratio_range.png.
@@ -34,8 +35,8 @@ import dataclasses
 import numpy as np
 
 from experiments import _runs
+from experiments.moe_routing import DEPTHS, moe_model
 from gspo_jax.config import LossConfig, TrainConfig
-from gspo_jax.models.config import tiny_moe
 
 VARIANTS = {"grpo_free": ("grpo", "track"), "grpo_replay": ("grpo", "replay"),
             "gspo_free": ("gspo", "track"), "grpo_replay_bf16": ("grpo", "replay"),
@@ -46,18 +47,15 @@ COLOURS = {"grpo_free": "tab:orange", "grpo_replay": "tab:red", "gspo_free": "ta
 
 
 def config(variant: str, seed: int, quick: bool, iterations: int | None, lr: float | None,
-           task: str = "addition") -> TrainConfig:
+           task: str = "addition", layers: int = 2) -> TrainConfig:
   """The task's config file (`_runs.base_config`) with a Mixture-of-Experts model (8 experts,
-  top-2, every layer; the task's vocabulary); eps unset, so each loss clips at its own (the
-  paper's) range; lr None = 3e-4 on addition (where the results below were measured), the
-  config file's elsewhere."""
+  top-2, every layer; the task's vocabulary; `layers` deep at moe_routing.DEPTHS's width);
+  eps unset, so each loss clips at its own (the paper's) range; lr None = 3e-4 on addition
+  (where the results below were measured), the config file's elsewhere."""
   loss, routing = VARIANTS[variant]
   cfg = _runs.base_config(task, quick)
-  width = dict(hidden=32, num_heads=2, num_kv_heads=1, head_dim=16, moe_mlp_dim=32) if (
-      quick) else dict(hidden=128, num_heads=4, num_kv_heads=2, head_dim=32, moe_mlp_dim=64)
   cfg = dataclasses.replace(
-      cfg, model=tiny_moe(vocab_size=cfg.model.vocab_size, num_experts=8, experts_per_token=2,
-                          **width),
+      cfg, model=moe_model(cfg.model.vocab_size, layers, quick),
       optim=dataclasses.replace(cfg.optim, learning_rate=lr or (
           3e-4 if task == "addition" else cfg.optim.learning_rate)),
       loss=LossConfig(name=loss), routing=routing, seed=seed)
@@ -88,14 +86,20 @@ def plot(runs, out: str) -> list[str]:
                        "smallest and largest ratio in the update", colours=COLOURS)]
 
 
+def add_args(parser) -> None:
+  parser.add_argument("--lr", type=float, default=None,
+                      help="default: 3e-4 on addition, else the config file's")
+  parser.add_argument("--layers", type=int, default=2, choices=sorted(DEPTHS),
+                      help="MoE layers, at about the 2-layer model's active parameters per token")
+
+
+
 def main(argv=None):
   return _runs.main(
       argv, doc=__doc__, name="routing_replay", variants=VARIANTS, default_variants=DEFAULT,
       seeds=(0, 1),
-      config=lambda v, seed, a: config(v, seed, a.quick, a.iterations, a.lr, a.task),
-      summarise=summarise, plot=plot,
-      add_args=lambda p: p.add_argument("--lr", type=float, default=None,
-                                        help="default: 3e-4 on addition, else the config file's"))
+      config=lambda v, seed, a: config(v, seed, a.quick, a.iterations, a.lr, a.task, a.layers),
+      summarise=summarise, plot=plot, add_args=add_args)
 
 
 if __name__ == "__main__":
