@@ -145,15 +145,19 @@ def log_ratio_hist(token_lr, seq_lr, out: str, name: str = "log_ratio_hist.png",
              "responses"))
   for ax, x, (lo, hi), title, unit in panels:
     band = (math.log(1 - lo), math.log(1 + hi))
-    half = max(4 * float(np.std(x)) if len(x) else 0.0, 3 * band[1])
+    half = max(4 * float(np.std(x)) if len(x) else 0.0, 1.2 * band[1])
     bins = np.linspace(-half, half, 61)
     ax.hist(np.clip(x, bins[0], bins[-1]), bins=bins, color="tab:gray")
-    ax.axvspan(*band, color="tab:green", alpha=0.25, label=f"clip band [1 − {lo:g}, 1 + {hi:g}]")
+    # Shaded and edged: GSPO's band can be narrower than a bin, and must still be seen.
+    ax.axvspan(*band, color="tab:green", alpha=0.25)
+    for edge in band:
+      ax.axvline(edge, color="tab:green", lw=1)
     outside = float(np.mean((x < band[0]) | (x > band[1]))) if len(x) else float("nan")
-    ax.set_title(f"{title}\n{pct(outside)} of {len(x):,} {unit} outside the band", fontsize=9)
+    ax.set_title(f"{title}\nclip band [1 − {lo:g}, 1 + {hi:g}] (green): {pct(outside)} of "
+                 f"{len(x):,} {unit} outside it", fontsize=8)
     ax.set_xlabel("log(pi_float32 / pi_bfloat16) at theta = theta_old (edges: clipped)")
   axes[0].set_ylabel("count")
-  return save(fig, axes[1], out, name)
+  return save(fig, None, out, name)
 
 
 def pct(x: float) -> str:
