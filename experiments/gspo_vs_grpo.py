@@ -101,18 +101,24 @@ def plot(runs: dict[str, list[dict]], out: str) -> list[str]:
 def plot_clip_by_length(runs, out: str, colours) -> str:
   """Fraction of tokens clipped per response-length quartile of max_new_tokens (pooled over
   training and seeds: each iteration's per-bin fraction weighted equally), one line per
-  loss; a quartile no response reached is left out."""
+  loss, each point labelled with n, the iterations behind it (most quartiles are nearly
+  empty on a task whose responses all have one length); a quartile no response reached is
+  left out."""
   from experiments import _plots
   fig, ax = _plots.figure()
   for loss, items in sorted(runs.items()):
-    xs, ys = [], []
+    xs, ys, ns = [], [], []
     for k in range(1, 5):
       vals = [r[f"clip_frac_token_len_q{k}"] for it in items for r in it["rows"]
               if r.get(f"response_frac_len_q{k}", 0) > 0 and f"clip_frac_token_len_q{k}" in r]
       if vals:
         xs.append(k)
         ys.append(max(float(np.mean(vals)), 1e-5))
+        ns.append(len(vals))
     ax.plot(xs, ys, "o-", color=colours.get(loss), label=loss.upper())
+    for x, y, n in zip(xs, ys, ns):
+      ax.annotate(f"n={n}", (x, y), xytext=(4, 4), textcoords="offset points", fontsize=7,
+                  color=colours.get(loss))
   ax.set_yscale("log")
   ax.set_xticks([1, 2, 3, 4], ["(0, T/4]", "(T/4, T/2]", "(T/2, 3T/4]", "(3T/4, T]"])
   ax.set_xlabel("response length (T = max_new_tokens)")
