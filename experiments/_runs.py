@@ -170,6 +170,7 @@ def summarise(items: list[dict], mean_keys=("clip_frac_token", "clip_frac_seq"))
          "heldout_gain_mean": float(np.mean(np.subtract(end, start))),
          "heldout_gain_std": float(np.std(np.subtract(end, start))),
          "reward_last50": last("reward_mean"),
+         "heldout_curve": heldout_curves(items),
          "train_seconds": [float(sum(r[TIME] for r in it["rows"])) for it in items]}
   for key in mean_keys:  # None: the metric was not logged (e.g. routing_changed under replay)
     vals = [[r[key] for r in it["rows"] if key in r] for it in items]
@@ -218,6 +219,32 @@ def plot_curves(runs: dict[str, list[dict]], out: str, name: str, key: str, ylab
   return _plots.save(fig, ax, out, name)
 
 
+def plot_range(runs: dict[str, list[dict]], out: str, name: str, keys: tuple[str, str],
+               ylabel: str, *, colours: dict[str, str] | None = None) -> str:
+  """Both ends of a per-iteration range, (low, high) = `keys`, one colour per variant: the
+  high end solid, the low end dashed, on a log scale (ratios above and below 1)."""
+  colours = colours or {v: COLOURS[i % len(COLOURS)] for i, v in enumerate(sorted(runs))}
+  fig, ax = _plots.figure()
+  for variant, items in sorted(runs.items()):
+    for i, it in enumerate(items):
+      for key, style in zip(keys, ("--", "-")):
+        xs, ys = series(it, key)
+        if len(ys):
+          ax.plot(xs, ys, style, color=colours.get(variant), alpha=0.8,
+                  label=f"{variant.upper().replace('_', ' ')} ({key})" if i == 0 else None)
+  ax.axhline(1, color="black", lw=0.8)
+  ax.set_yscale("log")
+  ax.set_xlabel("iteration")
+  ax.set_ylabel(ylabel)
+  return _plots.save(fig, ax, out, name)
+
+
+def heldout_curves(items: list[dict]) -> list[list[list[float]]]:
+  """Per seed, [[step, held-out accuracy], ...] from the cold start (step 0) on: the curve
+  the held-out plots draw, kept in the summary so that the text can quote any point of it."""
+  return [[[int(x), float(y)] for x, y in zip(*series(it, "heldout_accuracy"))] for it in items]
+
+
 def write_summary(out: str, summary: dict) -> None:
   with open(os.path.join(out, "summary.json"), "w") as f:
     json.dump(summary, f, indent=2)
@@ -253,6 +280,9 @@ def main(argv, *, doc: str, name: str, variants, config, summarise, plot, seeds=
   parser.add_argument("--seeds", nargs="+", type=int, default=list(seeds))
   parser.add_argument("--iterations", type=int, default=None, help="override the config's")
   parser.add_argument("--plot-only", action="store_true", help="only summarise finished runs")
+  parser.add_argument("--set", dest="overrides", nargs="+", default=[], metavar="KEY=VALUE",
+                      help="config overrides for every run (configlib.apply_overrides), e.g. "
+                           "task.steps=6 num_minibatches=8 sft.check_every=5")
   parser.add_argument("--out", default=None,
                       help=f"default: runs/results/{name}[_long][_quick], or under "
                            "experiments/results/ with --record")
@@ -266,7 +296,7 @@ def main(argv, *, doc: str, name: str, variants, config, summarise, plot, seeds=
     os.makedirs(out, exist_ok=True)
     for seed in args.seeds:
       for v in args.variants:
-        run_one(out, v, seed, config(v, seed, args))
+        run_one(out, v, seed, configlib.apply_overrides(config(v, seed, args), args.overrides))
   runs = load_runs(out)
   if not runs:
     parser.error(NO_RUNS.format(out=os.path.join(out, "runs")))

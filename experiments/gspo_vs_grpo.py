@@ -11,6 +11,8 @@ The cold start is deterministic per seed, so GSPO and GRPO start from the same p
     python -m experiments.gspo_vs_grpo --plot-only                # then summarise what is there
     python -m experiments.gspo_vs_grpo --task long --seeds 0 1 2  # configs/long_chain.py
     python -m experiments.gspo_vs_grpo --task long --losses sapo cispo gmpo luspo --seeds 0 1
+    python -m experiments.gspo_vs_grpo --task long --losses gspo grpo gspo_len --eps-tokens 63 \
+        --set task.steps=6 rollout.max_new_tokens=72 num_minibatches=8   # preregistered.md
                                           # the objectives after GSPO beside the same runs
 
 Writes under --out: runs/<loss>_seed<k>/ (metrics.jsonl ...), summary.json, and plots
@@ -21,17 +23,41 @@ quartile of max_new_tokens).
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from experiments import _runs
 
 LOSSES = ("gspo", "grpo")  # the default comparison
+# GSPO with its clip range scaled to the response length (experiments/preregistered.md,
+# part 5): GRPO's token range divided by sqrt(T), on request with --eps-tokens T.
+LENGTH_SCALED = ("gspo_len",)
 AFTER_GSPO = ("sapo", "sapo_seq", "cispo", "gmpo", "luspo")  # docs/losses.md, on request
 
 
-# One loss's run: the task's config file with `loss`, clipping at the loss's own range
-# (`_runs.loss_config`, shared with precision_training.py).
-config = _runs.loss_config
+
+
+def length_scaled_eps(tokens: float, token_eps=(0.2, 0.27)) -> tuple[float, float]:
+  """GSPO's (eps_low, eps_high) for responses of `tokens` tokens: GRPO's per-token range
+  divided by sqrt(tokens). If the token log-ratios were independent with spread sigma, the
+  sequence log-ratio (their mean) would have spread sigma / sqrt(T): this is GRPO's trust
+  region moved to the sequence mean. It is our rule, not the paper's calibration."""
+  return tuple(e / tokens ** 0.5 for e in token_eps)
+
+
+def config(variant: str, seed: int, quick: bool, iterations: int | None, task: str,
+           eps_tokens: float | None = None):
+  """One loss's run: the task's config file with the loss, clipping at its own range
+  (`_runs.loss_config`, shared with precision_training.py); gspo_len: GSPO at
+  `length_scaled_eps(eps_tokens)`."""
+  if variant not in LENGTH_SCALED:
+    return _runs.loss_config(variant, seed, quick, iterations, task)
+  if not eps_tokens:
+    raise SystemExit("gspo_len needs --eps-tokens T (the response length its range is scaled to)")
+  cfg = _runs.loss_config("gspo", seed, quick, iterations, task)
+  low, high = length_scaled_eps(eps_tokens)
+  return dataclasses.replace(cfg, loss=dataclasses.replace(cfg.loss, eps_low=low, eps_high=high))
 
 
 BIN_KEYS = tuple(f"clip_frac_{u}_len_q{k}" for u in ("token", "seq") for k in range(1, 5))
@@ -58,7 +84,7 @@ def summarise(runs: dict[str, list[dict]]) -> dict:
 def plot(runs: dict[str, list[dict]], out: str) -> list[str]:
   colours = {"gspo": "tab:blue", "grpo": "tab:orange", "sapo": "tab:green",
              "sapo_seq": "tab:olive", "cispo": "tab:red", "gmpo": "tab:purple",
-             "luspo": "tab:brown"}
+             "luspo": "tab:brown", "gspo_len": "tab:cyan"}
   reward = ("reward_mean", "training reward (mean of 20 iterations)")
   paths = _runs.standard_plots(runs, out, colours) + [
       _runs.plot_curves(runs, out, "reward_vs_time.png", *reward, smooth=20, x="time",
@@ -75,18 +101,24 @@ def plot(runs: dict[str, list[dict]], out: str) -> list[str]:
 def plot_clip_by_length(runs, out: str, colours) -> str:
   """Fraction of tokens clipped per response-length quartile of max_new_tokens (pooled over
   training and seeds: each iteration's per-bin fraction weighted equally), one line per
-  loss; a quartile no response reached is left out."""
+  loss, each point labelled with n, the iterations behind it (most quartiles are nearly
+  empty on a task whose responses all have one length); a quartile no response reached is
+  left out."""
   from experiments import _plots
   fig, ax = _plots.figure()
   for loss, items in sorted(runs.items()):
-    xs, ys = [], []
+    xs, ys, ns = [], [], []
     for k in range(1, 5):
       vals = [r[f"clip_frac_token_len_q{k}"] for it in items for r in it["rows"]
               if r.get(f"response_frac_len_q{k}", 0) > 0 and f"clip_frac_token_len_q{k}" in r]
       if vals:
         xs.append(k)
         ys.append(max(float(np.mean(vals)), 1e-5))
+        ns.append(len(vals))
     ax.plot(xs, ys, "o-", color=colours.get(loss), label=loss.upper())
+    for x, y, n in zip(xs, ys, ns):
+      ax.annotate(f"n={n}", (x, y), xytext=(4, 4), textcoords="offset points", fontsize=7,
+                  color=colours.get(loss))
   ax.set_yscale("log")
   ax.set_xticks([1, 2, 3, 4], ["(0, T/4]", "(T/4, T/2]", "(T/2, 3T/4]", "(3T/4, T]"])
   ax.set_xlabel("response length (T = max_new_tokens)")
@@ -95,11 +127,15 @@ def plot_clip_by_length(runs, out: str, colours) -> str:
 
 
 def main(argv=None):
-  return _runs.main(argv, doc=__doc__, name="gspo_vs_grpo", variants=LOSSES + AFTER_GSPO,
+  return _runs.main(argv, doc=__doc__, name="gspo_vs_grpo",
+                    variants=LOSSES + AFTER_GSPO + LENGTH_SCALED,
                     default_variants=LOSSES, seeds=(0, 1, 2),
                     flag="--losses", summarise=summarise, plot=plot,
                     config=lambda loss, seed, a: config(loss, seed, a.quick, a.iterations,
-                                                        a.task))
+                                                        a.task, a.eps_tokens),
+                    add_args=lambda p: p.add_argument(
+                        "--eps-tokens", type=float, default=None,
+                        help="gspo_len: the response length its clip range is scaled to"))
 
 
 if __name__ == "__main__":

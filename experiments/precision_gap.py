@@ -98,15 +98,9 @@ def measure(run, prompts: int, dtype: str = "bfloat16") -> dict:
 
 
 def plot(token_lr, seq_lr, out: str) -> str:
-  fig, ax = _plots.figure()
-  bins = np.linspace(-0.05, 0.05, 81)
-  ax.hist(np.clip(token_lr, bins[0], bins[-1]), bins=bins, alpha=0.6, density=True,
-          label="per token: log r_it (GRPO)")
-  ax.hist(np.clip(seq_lr, bins[0], bins[-1]), bins=bins, alpha=0.6, density=True,
-          label="per sequence: mean_t log r_it (GSPO)")
-  ax.set_xlabel("log(pi_float32 / pi_bfloat16) at theta = theta_old (clipped to +-0.05)")
-  ax.set_ylabel("density")
-  return _plots.save(fig, ax, out, "log_ratio_hist.png", grid=False)
+  """log_ratio_hist.png: token and sequence log-ratios, each at its own scale with its
+  method's clip band marked (`_plots.log_ratio_hist`)."""
+  return _plots.log_ratio_hist(token_lr, seq_lr, out)
 
 
 def main(argv=None):

@@ -22,6 +22,7 @@ differ from the float32 trainer's:
     python -m experiments.routing_replay --plot-only
     python -m experiments.routing_replay --task long --seeds 0 1 2   # configs/long_chain.py
     python -m experiments.routing_replay --task long --seeds 0 1 --variants grpo_replay_bf16 grpo_r3_bf16
+    python -m experiments.routing_replay --task long --layers 8 --seeds 0 1 2 3   # deeper MoE
 
 Writes under --out: runs/<variant>_seed<k>/, summary.json, reward.png, heldout.png,
 routing_changed.png, clip_fraction.png, ratio_range.png.
@@ -31,9 +32,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from experiments import _runs
+from experiments.moe_routing import DEPTHS, moe_model
 from gspo_jax.config import LossConfig, TrainConfig
-from gspo_jax.models.config import tiny_moe
 
 VARIANTS = {"grpo_free": ("grpo", "track"), "grpo_replay": ("grpo", "replay"),
             "gspo_free": ("gspo", "track"), "grpo_replay_bf16": ("grpo", "replay"),
@@ -44,18 +47,15 @@ COLOURS = {"grpo_free": "tab:orange", "grpo_replay": "tab:red", "gspo_free": "ta
 
 
 def config(variant: str, seed: int, quick: bool, iterations: int | None, lr: float | None,
-           task: str = "addition") -> TrainConfig:
+           task: str = "addition", layers: int = 2) -> TrainConfig:
   """The task's config file (`_runs.base_config`) with a Mixture-of-Experts model (8 experts,
-  top-2, every layer; the task's vocabulary); eps unset, so each loss clips at its own (the
-  paper's) range; lr None = 3e-4 on addition (where the results below were measured), the
-  config file's elsewhere."""
+  top-2, every layer; the task's vocabulary; `layers` deep at moe_routing.DEPTHS's width);
+  eps unset, so each loss clips at its own (the paper's) range; lr None = 3e-4 on addition
+  (where the results below were measured), the config file's elsewhere."""
   loss, routing = VARIANTS[variant]
   cfg = _runs.base_config(task, quick)
-  width = dict(hidden=32, num_heads=2, num_kv_heads=1, head_dim=16, moe_mlp_dim=32) if (
-      quick) else dict(hidden=128, num_heads=4, num_kv_heads=2, head_dim=32, moe_mlp_dim=64)
   cfg = dataclasses.replace(
-      cfg, model=tiny_moe(vocab_size=cfg.model.vocab_size, num_experts=8, experts_per_token=2,
-                          **width),
+      cfg, model=moe_model(cfg.model.vocab_size, layers, quick),
       optim=dataclasses.replace(cfg.optim, learning_rate=lr or (
           3e-4 if task == "addition" else cfg.optim.learning_rate)),
       loss=LossConfig(name=loss), routing=routing, seed=seed)
@@ -67,11 +67,13 @@ def config(variant: str, seed: int, quick: bool, iterations: int | None, lr: flo
 
 def summarise(runs) -> dict:
   keys = ("clip_frac_token", "clip_frac_seq", "routing_changed", "ratio_max", "ratio_min",
-          "skipped_updates")
+          "skipped_updates", "approx_kl")
   out = {v: _runs.summarise(items, mean_keys=keys) for v, items in runs.items()}
-  for v, items in runs.items():  # the extremes over training, per seed
+  for v, items in runs.items():  # the extremes over training and their medians, per seed
     out[v]["ratio_max_max"] = [max(r["ratio_max"] for r in it["rows"]) for it in items]
     out[v]["ratio_min_min"] = [min(r["ratio_min"] for r in it["rows"]) for it in items]
+    for key in ("ratio_min", "ratio_max"):
+      out[v][f"{key}_median"] = [float(np.median([r[key] for r in it["rows"]])) for it in items]
   return out
 
 
@@ -80,18 +82,24 @@ def plot(runs, out: str) -> list[str]:
       _runs.plot_curves(runs, out, "routing_changed.png", "routing_changed",
                         "expert sets changed vs pi_old", smooth=10,
                         colours=COLOURS),
-      _runs.plot_curves(runs, out, "ratio_range.png", "ratio_max",
-                        "largest importance ratio in the update", log=True, colours=COLOURS)]
+      _runs.plot_range(runs, out, "ratio_range.png", ("ratio_min", "ratio_max"),
+                       "smallest and largest ratio in the update", colours=COLOURS)]
+
+
+def add_args(parser) -> None:
+  parser.add_argument("--lr", type=float, default=None,
+                      help="default: 3e-4 on addition, else the config file's")
+  parser.add_argument("--layers", type=int, default=2, choices=sorted(DEPTHS),
+                      help="MoE layers, at about the 2-layer model's active parameters per token")
+
 
 
 def main(argv=None):
   return _runs.main(
       argv, doc=__doc__, name="routing_replay", variants=VARIANTS, default_variants=DEFAULT,
       seeds=(0, 1),
-      config=lambda v, seed, a: config(v, seed, a.quick, a.iterations, a.lr, a.task),
-      summarise=summarise, plot=plot,
-      add_args=lambda p: p.add_argument("--lr", type=float, default=None,
-                                        help="default: 3e-4 on addition, else the config file's"))
+      config=lambda v, seed, a: config(v, seed, a.quick, a.iterations, a.lr, a.task, a.layers),
+      summarise=summarise, plot=plot, add_args=add_args)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ shared by every cell of that length.
 
 Writes under --out (default runs/results/stability_map[_quick]; experiments/results/ with --record):
 <length>/runs/<loss>_mb<M>_lr<lr>_seed<k>/, summary.json, stability_map.png (final
-held-out gain per cell, collapsed cells marked) and clip_vs_length.png (clip fractions
+held-out gain per cell, k/n seeds collapsed) and clip_vs_length.png (clip fractions
 against response length).
 """
 
@@ -88,6 +88,9 @@ def summarise(out: str, lengths) -> dict:
         cell["collapsed"].append(collapsed(it["rows"], start))
         for key in ("clip_frac_token", "clip_frac_seq", "response_length"):
           cell[f"{key}_mean"].append(float(np.mean([r[key] for r in it["rows"]])))
+        # What the collapse rule reads and the text quotes: every evaluation, the extreme ratio.
+        cell.setdefault("heldout_curve", []).append(_runs.heldout_curves([it])[0])
+        cell.setdefault("ratio_max_max", []).append(max(r["ratio_max"] for r in it["rows"]))
       cell["heldout_gain_mean"] = float(np.mean(np.subtract(cell["heldout_end"],
                                                             cell["heldout_start"])))
       cells[f"{length}/{name}"] = cell
@@ -96,31 +99,11 @@ def summarise(out: str, lengths) -> dict:
 
 
 def plot(summary: dict, out: str, lengths, minibatches, lrs) -> str:
-  """One panel per loss: rows = length, columns = (lr, minibatches); colour = mean held-out
-  gain, 'x' = at least one seed collapsed, blank = not run."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  fig, axes = plt.subplots(1, len(LOSSES), figsize=(4 + 2.2 * len(LOSSES), 3.2), squeeze=False)
-  cols = [(lr, m) for lr in lrs for m in minibatches]
-  for ax, loss in zip(axes[0], LOSSES):
-    grid = np.full((len(lengths), len(cols)), np.nan)
-    for i, length in enumerate(lengths):
-      for j, (lr, m) in enumerate(cols):
-        cell = summary["cells"].get(f"{length}/{variant(loss, m, lr)}")
-        if cell:
-          grid[i, j] = cell["heldout_gain_mean"]
-          if any(cell["collapsed"]):
-            ax.text(j, i, "x", ha="center", va="center", fontsize=14)
-    im = ax.imshow(grid, cmap="RdYlGn", vmin=-0.3, vmax=0.3)
-    ax.set_xticks(range(len(cols)), [f"{lr:g}\n{m} mb" for lr, m in cols], fontsize=7)
-    ax.set_yticks(range(len(lengths)), lengths)
-    ax.set_title(loss.upper())
-  fig.colorbar(im, ax=axes[0].tolist(), label="held-out gain (end - cold start)")
-  path = os.path.join(out, "stability_map.png")
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-  return path
+  """stability_map.png (`_plots.stability_map`): per loss, rows = length, columns = (lr,
+  minibatches); colour = mean held-out gain, text = seeds collapsed of seeds run."""
+  from experiments.figures import stability_cells
+  return _plots.stability_map(stability_cells(summary), out, lengths,
+                              [(lr, m) for lr in lrs for m in minibatches], LOSSES)
 
 
 def plot_clipping(summary: dict, out: str, minibatches, lrs) -> str:

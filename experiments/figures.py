@@ -1,0 +1,70 @@
+"""Redraw, from the committed summaries alone, every figure of experiments/README.md that a
+summary holds the numbers for:
+
+    python -m experiments.figures             # writes under experiments/results/
+    python -m experiments.figures --out DIR   # the same figures elsewhere
+
+  <dir>/paired.png          each comparison's per-seed differences, mean and 95% t-interval
+                            (the README's paired tables: readme_tables.PAIRED)
+  stability_map/stability_map.png   mean gain per cell, k/n seeds collapsed
+  routing_replay{,_long}/ratio_extremes.png   smallest and largest ratio of every run
+
+The curves (reward, held-out, clip fraction against iteration) need the runs' per-iteration
+metrics, so only the experiment scripts' --plot-only draws them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from experiments import _plots, _results
+from experiments._tables import load
+from experiments.readme_tables import PAIRED
+
+LENGTHS = ("short", "medium", "long")
+COLUMNS = [(lr, mb) for lr in (1e-4, 3e-4) for mb in (1, 4, 16)]
+
+
+def paired_figures(out: str) -> list[str]:
+  """One paired.png per results folder, its comparisons in the README's order."""
+  by_dir: dict[str, list] = {}
+  for _, (folder, comparisons) in PAIRED.items():
+    by_dir.setdefault(folder, []).extend(comparisons())
+  return [_plots.paired([(c[0], c[1], c[2]) for c in cmp], os.path.join(out, folder),
+                        "paired.png", title=f"{folder}: a − b per seed, 95% t-interval")
+          for folder, cmp in by_dir.items()]
+
+
+def stability_cells(summary: dict) -> dict:
+  """The summary's cells keyed (length, loss, lr, minibatches) for `_plots.stability_map`."""
+  cells = {}
+  for key, c in summary["cells"].items():
+    length, variant = key.split("/")
+    loss, mb, lr = variant.split("_")
+    cells[(length, loss, float(lr[2:]), int(mb[2:]))] = {
+        "gains": [e - s for s, e in zip(c["heldout_start"], c["heldout_end"])],
+        "collapsed": c["collapsed"]}
+  return cells
+
+
+def ratio_runs(summary: dict) -> dict:
+  keys = ("ratio_min_min", "ratio_max_max", "ratio_min_mean", "ratio_max_mean")
+  return {v: {k: s[k] for k in keys} for v, s in summary.items() if "ratio_min_min" in s}
+
+
+def main(argv=None) -> list[str]:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--out", default=_results.RESULTS, help="default: experiments/results/")
+  args = parser.parse_args(argv)
+  paths = paired_figures(args.out)
+  paths.append(_plots.stability_map(stability_cells(load("stability_map")),
+                                    os.path.join(args.out, "stability_map"), LENGTHS, COLUMNS))
+  for name in ("routing_replay", "routing_replay_long"):
+    paths.append(_plots.ratio_extremes(ratio_runs(load(name)), os.path.join(args.out, name)))
+  print("wrote", *paths, sep="\n  ")
+  return paths
+
+
+if __name__ == "__main__":
+  main()
