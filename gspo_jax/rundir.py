@@ -50,6 +50,7 @@ REFUSED: dict[str, str] = {
     "task": "the task (prompts, tokenizer, rewards, the held-out set and the data stream)",
     "multiturn.env": "the environment (its problems, observations and rewards)",
     "loss.name": "the objective",
+    "lora": "the adapters (the checkpoint's arrays) and which weights are frozen",
     "loss.kl_coef": "the KL reference (saved at step 0 only when loss.kl_coef > 0)",
     "optim": "the optimiser state (its hyperparameters and schedule live in it)",
     "seed": "the data stream and the random keys",
