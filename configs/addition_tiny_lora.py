@@ -15,6 +15,8 @@ MAIN_JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "addition_ti
 
 
 def get_config(arg: str | None = None):
+  if arg not in (None, "smoke"):
+    raise ValueError(f"unknown variant {arg!r} (this file has: smoke)")
   cfg = load_config(MAIN_JOB if arg is None else f"{MAIN_JOB}:{arg}")
   # Adapters start at B = 0 and move only through A B: a larger step than the full run's
   # 1e-4 (the LoRA literature's ~10x rule).

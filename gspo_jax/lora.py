@@ -186,10 +186,19 @@ def num_bytes(tree: Any) -> int:
 class Adapted:
   """The model of a LoRA program: the structure, the frozen base's parameters (arguments
   of the program, traced with it) and the adapters' scale. The train step takes it in
-  place of a graphdef (`step.bind`): `bind(adapters)` is the base with them merged in."""
+  place of a graphdef (`model_of`): `bind(adapters)` is the base with them merged in."""
   graphdef: Any
   base: Any
   scale: float
 
   def bind(self, adapters):
     return nnx.merge(self.graphdef, merge(self.base, adapters, self.scale))
+
+
+def model_of(graphdef, params):
+  """The model of `params`: `nnx.merge(graphdef, params)`; when `graphdef` is an `Adapted`
+  (a LoRA program), `params` are the adapters, merged into its frozen base, so a gradient
+  with respect to `params` reaches the adapters only."""
+  if isinstance(graphdef, Adapted):
+    return graphdef.bind(params)
+  return nnx.merge(graphdef, params)
