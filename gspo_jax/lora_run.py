@@ -172,3 +172,14 @@ def cold_start_view(run):
   f = run.frozen
   return dataclasses.replace(run, state=run.state.replace(params=f.params, opt_state=None),
                              layout=f.layout, programs=f.programs, frozen=None)
+
+
+def describe_state(run) -> str:
+  """What the update trains and holds, in bytes: parameters + optimiser state, and for a
+  LoRA run the frozen base beside them (read, never differentiated or donated)."""
+  kib = lambda tree: f"{lora.num_bytes(tree) / 2**10:,.1f} KiB"
+  line = (f"update state: {kib(run.state.params)} parameters + {kib(run.state.opt_state)} "
+          "optimiser state")
+  if run.frozen is None:
+    return line
+  return f"{line} (LoRA adapters); frozen base: {kib(run.frozen.params)}"

@@ -9,7 +9,10 @@ agreement with its checkpoints.
       tokenizer.model          the task tokenizer (pretrained runs use the model's)
       checkpoints/<step>       orbax; <step>.incomplete and <step>.damaged are set aside,
                                never deleted (gspo_jax/checkpoint.py)
-      reference/               the KL reference policy (loss.kl_coef > 0)
+      reference/               the KL reference policy (loss.kl_coef > 0; not in a LoRA run,
+                               whose reference is its frozen base)
+      base.json, base/         a LoRA run's frozen base: where it comes from, and the
+                               cold start's policy saved once (gspo_jax/lora_run.py)
       metrics.jsonl            one JSON record per step, each step once: cut back to the
                                restored step on resume
       metrics.jsonl.dropped    the records a resume cut (steps after the restored

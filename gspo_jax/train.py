@@ -174,6 +174,7 @@ def train(cfg: TrainConfig, run_dir: str, *, resume: bool = False, checkpoint_ev
   except ValueError as e:  # the config, the data or the tokenizer: named, no traceback
     raise rundir.RunDirError(f"setup refused the run: {e}") from e
   checkpoint.check_free_space(run_dir, run.state, keep)
+  _log(lora_run.describe_state(run))
   cfg = run.cfg  # with `model` filled in from a pretrained directory
   ckpt = checkpoint.Checkpointer(ckpt_dir, every=checkpoint_every, keep=keep)
   writer = None

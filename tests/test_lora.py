@@ -356,3 +356,9 @@ def test_bad_setting_on_the_command_line_writes_nothing(tmp_path, capsys):
                                      "addition_tiny_lora.py:smoke"),
             "--set", "lora.rank=200", "--run-dir", str(run_dir)])
   assert not run_dir.exists()
+
+
+def test_the_tpu_planner_refuses_a_lora_run_by_name():
+  from gspo_jax import plan
+  with pytest.raises(plan.PlanError, match="lora.rank > 0"):
+    plan.plan(lora_cfg(), "v5e:2x2")
