@@ -252,6 +252,31 @@ def test_resume_is_exact_and_other_lora_settings_are_refused(trained, tmp_path):
     np.testing.assert_array_equal(x, y)
 
 
+def test_without_a_cold_start_the_base_is_the_initial_model(tmp_path):
+  cfg = lora_cfg(iterations=1)
+  T.train(cfg, str(tmp_path / "run"), progress=False)
+  pointer = json.loads((tmp_path / "run" / lora_run.POINTER).read_text())
+  assert pointer == {"base": "initial model", "pretrained": "", "seed": 0, "lora_rank": 4}
+  assert not (tmp_path / "run" / lora_run.BASE_DIR).exists()  # rebuilt from model + seed
+  loaded = R.load_run(str(tmp_path / "run"))
+  fresh = R.setup(cfg, str(tmp_path / "run"))
+  for x, y in zip(leaves(loaded.frozen.params), leaves(fresh.frozen.params)):
+    np.testing.assert_array_equal(x, y)
+  assert int(loaded.state.step) == 1  # the checkpoint's adapters and optimiser state
+
+
+def test_cost_script_measures_both_runs(tmp_path):
+  from experiments import lora_cost
+  record = lora_cost.main(["--config", os.path.join(os.path.dirname(__file__), "..", "configs",
+                                                    "addition_tiny_lora.py:smoke"),
+                           "--quick", "--out", str(tmp_path)])
+  full, low = record["full"], record["lora"]
+  assert full["frozen_base_bytes"] == 0 and low["frozen_base_bytes"] == full["param_bytes"]
+  assert 0 < low["update_state_bytes"] < full["update_state_bytes"]
+  assert all(r[k] > 0 for r in (full, low) for k in ("sample_s", "update_s"))
+  assert (tmp_path / "benchmark_lora_cost.json").exists()
+
+
 # -- exports -------------------------------------------------------------------------------
 
 def test_merged_export_equals_the_adapted_forward(run, tmp_path):
