@@ -35,6 +35,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from gspo_jax.models.config import ModelConfig
@@ -159,7 +160,7 @@ def merge(base: nnx.State, adapters: nnx.State, scale: float) -> nnx.State:
   adapters' dtype, float32 or wider); the others are the base's arrays, untouched."""
   flat = dict(nnx.to_flat_state(base))
   pairs = dict(nnx.to_flat_state(adapters))
-  for path in {p[:-1] for p in pairs}:
+  for path in dict.fromkeys(p[:-1] for p in pairs):  # in state order: the same program always
     var = flat[path]
     a, b = pairs[(*path, A)].get_value(), pairs[(*path, B)].get_value()
     w = var.get_value()
@@ -178,8 +179,9 @@ def _delta_for(a: Array, b: Array, w: Array) -> Array:
 
 def num_bytes(tree: Any) -> int:
   """Bytes of every array (or ShapeDtypeStruct) in `tree`."""
+  arrays = (jax.Array, jax.ShapeDtypeStruct, np.ndarray)
   return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)
-             if hasattr(x, "shape"))
+             if isinstance(x, arrays))
 
 
 @dataclasses.dataclass(frozen=True)

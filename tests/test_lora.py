@@ -279,6 +279,22 @@ def test_cost_script_measures_both_runs(tmp_path):
 
 # -- exports -------------------------------------------------------------------------------
 
+def test_export_command_writes_the_merged_run_and_its_adapter(trained, tmp_path):
+  lora_export.main(["--run", str(trained), "--merged", str(tmp_path / "merged"),
+                    "--peft", str(tmp_path / "adapter")])
+  run = R.load_run(str(trained))
+  r = rollout_step(run, run.state.params, run.state.key, 0)
+  merged = nnx.state(hf.load(str(tmp_path / "merged")), nnx.Param)
+  np.testing.assert_allclose(plain_logprobs(run, r.batch, merged),
+                             adapted_logprobs(run, r.batch, run.state.params), rtol=1e-6, atol=1e-6)
+  # The run's base is its cold start: written beside the adapter, which names it.
+  config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+  assert config["base_model_name_or_path"] == str(tmp_path / "adapter" / "base")
+  base = nnx.state(hf.load(config["base_model_name_or_path"]), nnx.Param)
+  for x, y in zip(leaves(base), leaves(run.frozen.params)):
+    np.testing.assert_array_equal(x, y)
+
+
 def test_merged_export_equals_the_adapted_forward(run, tmp_path):
   if not any(np.any(host(v[...])) for p, v in nnx.to_flat_state(run.state.params)
              if p[-1] == lora.B):
