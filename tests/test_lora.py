@@ -132,6 +132,25 @@ def test_kl_against_the_base_equals_kl_against_an_explicit_copy(run):
   assert float(m_base["kl"]) == float(m_copy["kl"]) > 0
 
 
+@pytest.mark.parametrize("sampler_dtype", ["", "bfloat16"])
+def test_the_sampler_decodes_with_the_adapters_merged_in(run, sampler_dtype):
+  if not any(np.any(host(v[...])) for p, v in nnx.to_flat_state(run.state.params)
+             if p[-1] == lora.B):
+    train_steps(run, 1)
+  r = run.reconfigure(dataclasses.replace(
+      run.cfg, rollout=dataclasses.replace(run.cfg.rollout, sampler_dtype=sampler_dtype)))
+  prompts, lens = host(jnp.full((4, 8), 5, jnp.int32)), host(jnp.full((4,), 3, jnp.int32))
+  mesh = r.layout.mesh
+  prompts, lens = sharding.feed(prompts, mesh, 4), sharding.feed(lens, mesh, 4)
+  ours, _ = r.programs.sample(r.state.params, prompts, lens, r.state.key, 2)
+  # The full model's own sampler on the adapters merged by hand: the same rollout.
+  full, _ = r.frozen.programs.sample(lora_export.merged_params(r), prompts, lens, r.state.key, 2)
+  np.testing.assert_array_equal(host(ours.tokens_BxGxT), host(full.tokens_BxGxT))
+  np.testing.assert_array_equal(host(ours.logp_BxGxT), host(full.logp_BxGxT))
+  base, _ = r.frozen.programs.sample(r.frozen.params, prompts, lens, r.state.key, 2)
+  assert not np.allclose(host(ours.logp_BxGxT), host(base.logp_BxGxT), atol=1e-6)
+
+
 # -- sharding ------------------------------------------------------------------------------
 
 MESHES = {"data8": sharding.MeshConfig(data=8), "fsdp8": sharding.MeshConfig(data=1, fsdp=8),
