@@ -8,10 +8,11 @@ bad setting stops the run before any work.
 Config groups by concern: `task.*` (the problems and their rewards, `tasks.config`),
 `loss.*` (the objective and the KL term), `rollout.*`, `optim.*`, `sft.*`, `model.*`,
 `mesh.*` and one group per optional feature (`rollout_correction.*`, `multiturn.*`,
-`lora.*`). A group checks itself; `TrainConfig` checks what crosses groups. `--set
-loss=grpo` and `--set task=chain` are aliases of `loss.name` / `task.name`; the flat names of earlier
-versions (`eps_low`, `task_digits`, `data.train_file`, ...) are errors that name the new
-field, and a saved config.json that has them loads (`TrainConfig.migrate`).
+`lora.*`). A group checks itself; `TrainConfig` checks what crosses groups.
+`--set loss=grpo` and `--set task=chain` are aliases of `loss.name` / `task.name`; the flat
+names of earlier versions (`eps_low`, `task_digits`, `data.train_file`, ...) are errors
+that name the new field, and a saved config.json that has them loads
+(`TrainConfig.migrate`).
 
 Loss hyperparameters left unset (None) take the chosen loss's own defaults from
 `losses.LOSS_DEFAULTS`: `--set loss=grpo` alone clips GRPO at 0.2 / 0.27, not at GSPO's
