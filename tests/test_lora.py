@@ -296,6 +296,19 @@ def test_cost_script_measures_both_runs(tmp_path):
   assert (tmp_path / "benchmark_lora_cost.json").exists()
 
 
+def test_cost_script_counts_a_real_models_state_without_building_it(tmp_path):
+  from experiments import lora_cost
+  record = lora_cost.main(["--shapes", "qwen3_0_6b", "--rank", "8", "--out", str(tmp_path)])
+  full, low = record["full"], record["lora"]
+  # Qwen3-0.6B: 596M parameters (tied embeddings); Adam keeps two moments of each.
+  assert full["param_bytes"] == 4 * 596_049_920 and full["opt_bytes"] >= 2 * full["param_bytes"]
+  assert low["frozen_base_bytes"] == full["param_bytes"] // 2          # bfloat16
+  # Rank 8 on q, k, v, o, gate, up, down of 28 layers: 8 * (in + out) per weight.
+  D, Q, C, F = 1024, 16 * 128, 8 * 128, 3072
+  per_layer = 8 * ((D + Q) * 2 + (D + C) * 2 + (D + F) * 3)
+  assert low["param_bytes"] == 4 * 28 * per_layer
+
+
 # -- exports -------------------------------------------------------------------------------
 
 def test_export_command_writes_the_merged_run_and_its_adapter(trained, tmp_path):
