@@ -71,7 +71,9 @@ def plain_logprobs(run, batch, params):
 @pytest.mark.parametrize("model", [
     TINY_MODEL, dataclasses.replace(TINY_MODEL, scan_layers=True),
     model_config.tiny_moe(vocab_size=24, hidden=32, mlp_dim=64, num_heads=2, num_kv_heads=1,
-                          head_dim=16)], ids=["unrolled", "scanned", "moe_attention"])
+                          head_dim=16),
+    dataclasses.replace(TINY_MODEL, param_dtype="bfloat16")],
+    ids=["unrolled", "scanned", "moe_attention", "bfloat16_base"])
 def test_at_init_the_adapted_policy_is_the_base_exactly(run_dir, model):
   targets = ("q", "k", "v", "o") if model.num_experts else LORA.targets
   run = R.setup(lora_cfg(model=model, lora=dataclasses.replace(LORA, targets=targets)), run_dir)
@@ -81,6 +83,7 @@ def test_at_init_the_adapted_policy_is_the_base_exactly(run_dir, model):
   assert len(flat) == 2 * len(targets) * (1 if model.scan_layers else model.num_layers)
   assert all(not np.any(host(v[...])) for p, v in flat.items() if p[-1] == lora.B)
   assert all(np.any(host(v[...])) for p, v in flat.items() if p[-1] == lora.A)
+  assert all(v[...].dtype == jnp.float32 for v in flat.values())  # whatever the base's dtype
   # Teacher forcing and the greedy sampler: the base's log-probs and tokens, bit for bit.
   r = rollout_step(run, run.state.params, run.state.key, 0)
   np.testing.assert_array_equal(adapted_logprobs(run, r.batch, run.state.params),
