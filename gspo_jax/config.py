@@ -7,11 +7,12 @@ bad setting stops the run before any work.
 
 Config groups by concern: `task.*` (the problems and their rewards, `tasks.config`),
 `loss.*` (the objective and the KL term), `rollout.*`, `optim.*`, `sft.*`, `model.*`,
-`mesh.*` and one group per optional feature (`rollout_correction.*`, `multiturn.*`). A
-group checks itself; `TrainConfig` checks what crosses groups. `--set loss=grpo` and
-`--set task=chain` are aliases of `loss.name` / `task.name`; the flat names of earlier
-versions (`eps_low`, `task_digits`, `data.train_file`, ...) are errors that name the new
-field, and a saved config.json that has them loads (`TrainConfig.migrate`).
+`mesh.*` and one group per optional feature (`rollout_correction.*`, `multiturn.*`,
+`lora.*`). A group checks itself; `TrainConfig` checks what crosses groups.
+`--set loss=grpo` and `--set task=chain` are aliases of `loss.name` / `task.name`; the flat
+names of earlier versions (`eps_low`, `task_digits`, `data.train_file`, ...) are errors
+that name the new field, and a saved config.json that has them loads
+(`TrainConfig.migrate`).
 
 Loss hyperparameters left unset (None) take the chosen loss's own defaults from
 `losses.LOSS_DEFAULTS`: `--set loss=grpo` alone clips GRPO at 0.2 / 0.27, not at GSPO's
@@ -24,6 +25,7 @@ import dataclasses
 from typing import Any, Literal
 
 from gspo_jax import _checks, losses, sharding
+from gspo_jax.lora import LoRAConfig, check_model as check_lora
 from gspo_jax.optim import OptimConfig
 from gspo_jax.rollout_correction import RolloutCorrectionConfig
 from gspo_jax.tasks.config import TaskConfig  # the task group (re-exported here)
@@ -235,6 +237,8 @@ class TrainConfig:
   old_logp: Literal["recompute", "sampler"] = "recompute"  # "sampler": its log-probs are pi_old
   rollout_correction: RolloutCorrectionConfig = RolloutCorrectionConfig()
   multiturn: MultiTurnConfig = MultiTurnConfig()
+  # LoRA adapters on a frozen base (gspo_jax/lora.py, docs/lora.md); rank 0 = off.
+  lora: LoRAConfig = LoRAConfig()
   routing: Literal["free", "track", "replay", "rollout_replay"] = "free"  # MoE: ROUTING_MODES
   # Teacher forcing (pi_theta, pi_old, pi_ref) computes each prompt once for its G responses
   # (`teacher_forcing.response_logprobs`); minibatches then hold whole groups.
@@ -280,6 +284,7 @@ class TrainConfig:
     if not self.pretrained:
       check_routing(self)
       check_positions(self.model, self.rollout)
+      check_lora(self.lora, self.model)  # a pretrained model is checked once loaded (run.setup)
     sampling_dtype = self.rollout.sampler_dtype or self.model.dtype
     if self.rollout.kv_cache_dtype == "bfloat16" and sampling_dtype == "float64":
       raise ValueError("rollout.kv_cache_dtype='bfloat16' needs a float32 or bfloat16 sampler; "
@@ -360,7 +365,8 @@ def check_multiturn(cfg: TrainConfig) -> None:
              "rollout.sampler_dtype": cfg.rollout.sampler_dtype != "",
              # the episode sampler decodes every row to the end: it never compacts
              "rollout.compact_rows": cfg.rollout.compact_rows != 0,
-             "routing='rollout_replay'": cfg.routing == "rollout_replay"}
+             "routing='rollout_replay'": cfg.routing == "rollout_replay",
+             "lora.rank": cfg.lora.rank != 0}
   if mt.turn_credit:  # per-token advantages: these read one advantage per sequence
     refused.update({"truncation='mask'/'overlong'": cfg.truncation != "count",
                     "length_clip_metrics": cfg.length_clip_metrics,

@@ -66,6 +66,8 @@ def make_fused_iteration(run):
   exact-match tasks only (answers encoded with `text.encode_answers`)."""
   if run.cfg.loss.kl_coef:
     raise ValueError("fused iteration: loss.kl_coef must be 0 (no reference policy)")
+  if run.cfg.lora.rank:
+    raise ValueError("fused iteration: lora.rank must be 0 (its programs take full parameters)")
   if getattr(run.task, "format_reward", 0.0):
     raise ValueError("fused iteration: the task's format_reward must be 0 (exact match only)")
   fn = functools.partial(_iteration, graphdef=run.graphdef, tx=run.tx,

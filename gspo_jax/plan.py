@@ -155,6 +155,9 @@ def plan(cfg: TrainConfig, topology: str, only: tuple[str, ...] = ()) -> dict[st
   planned."""
   from flax import nnx
   from gspo_jax.models.transformer import Transformer
+  if cfg.lora.rank:  # refused before libtpu is asked for anything
+    raise PlanError("lora.rank > 0: the planner compiles a full run's programs; a LoRA run "
+                    "(adapters on a frozen base) is not planned yet")
   devices = topology_devices(topology)
   chip = CHIPS[topology.partition(":")[0]]
   try:

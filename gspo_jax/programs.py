@@ -121,7 +121,8 @@ def _cast_graphdef(model_cfg: ModelConfig, dtype: str):
 
 
 def sampler_program(graphdef, scfg: SamplerConfig, layout: Layout, *, model_cfg: ModelConfig,
-                    dtype: str = "", rollout: bool = False, outs=None) -> Callable:
+                    dtype: str = "", rollout: bool = False, outs=None,
+                    frozen=None) -> Callable:
   """(params, prompts_BxP, lens_B, key) -> Rollout; with `rollout`, the run's rollout
   program (params, prompts_BxP, lens_B, key, step) -> (Rollout, `sampling.rollout_stats`),
   which draws the "sample" stream of iteration `step` from the run's key itself.
@@ -129,7 +130,11 @@ def sampler_program(graphdef, scfg: SamplerConfig, layout: Layout, *, model_cfg:
   With `dtype` the sampler runs a copy of the policy with parameters and activations in
   that dtype (an inference engine in bfloat16 next to a float32 trainer); the cast is part
   of the program. Nothing is donated: the KV cache lives and dies inside the program.
-  `outs`: the Rollout's shardings (default: `rollout_shardings`)."""
+  `outs`: the Rollout's shardings (default: `rollout_shardings`).
+
+  `frozen` (a LoRA run's `lora_run.Frozen`): `params` are the adapters; the compiled
+  program also takes the frozen base, which `frozen` passes at each call, and merges the
+  adapters into it once per call (`lora.merge`), before the cast and the decode loop."""
   if dtype and not (dtype == model_cfg.dtype and dtype == model_cfg.param_dtype):
     sample_graphdef = _cast_graphdef(model_cfg, dtype)
     cast = lambda params: jax.tree.map(lambda x: x.astype(dtype), params)
@@ -145,10 +150,13 @@ def sampler_program(graphdef, scfg: SamplerConfig, layout: Layout, *, model_cfg:
 
   rep = layout.replicated
   ins = (layout.state.params, layout.rows(2), layout.rows(1), rep)
-  outs = rollout_shardings(graphdef, scfg, layout) if outs is None else outs
-  if rollout:
-    return jax.jit(run_rollout, in_shardings=(*ins, rep), out_shardings=(outs, rep))
-  return jax.jit(run, in_shardings=ins, out_shardings=outs)
+  if outs is None:
+    outs = rollout_shardings(graphdef, scfg, layout if frozen is None else frozen.layout)
+  fn, ins, outs = (run_rollout, (*ins, rep), (outs, rep)) if rollout else (run, ins, outs)
+  if frozen is None:
+    return jax.jit(fn, in_shardings=ins, out_shardings=outs)
+  return frozen.bind(jax.jit(frozen.merged(fn), in_shardings=(frozen.shardings, *ins),
+                             out_shardings=outs))
 
 
 def rollout_shardings(graphdef, scfg: SamplerConfig, layout: Layout,

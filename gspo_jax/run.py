@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gspo_jax import checkpoint, configlib, rng, rundir, sharding, text
-from gspo_jax.config import TrainConfig, check_positions, check_routing
+from gspo_jax import checkpoint, configlib, lora_run, rng, rundir, sharding, text
+from gspo_jax.config import TrainConfig, check_lora, check_positions, check_routing
 from gspo_jax.models.config import EXECUTION_FIELDS
 from gspo_jax.optim import make_optimizer, sft_optimizer
 from gspo_jax.programs import Layout, Programs, check_layout, make_layout, make_programs
@@ -36,6 +36,8 @@ class Run:
   # The kind of rollout (`rollout.Groups`, or multi-turn `Episodes`): what the loop, the
   # evaluation and the cold start call, so none of them asks which kind the run makes.
   rollout: Any
+  # A LoRA run's frozen base (`lora_run.Frozen`; `state.params` are then the adapters).
+  frozen: Any = None
 
   def encode_prompts(self, prompts):
     """The run's prompts as ids: (ids_BxP, lens_B) padded to rollout.max_prompt_len. A
@@ -45,12 +47,15 @@ class Run:
                                add_special_tokens=not _rendered(self.task))
 
   def reconfigure(self, cfg: TrainConfig) -> "Run":
-    """The same run and state with other loss settings (the programs are rebuilt)."""
+    """The same run and state with other loss settings (the programs are rebuilt; a LoRA
+    run keeps its base and adapters)."""
     check_routing(cfg)
-    layout = _layout(self.state.params, self.tx, self.layout.mesh, cfg)
-    return dataclasses.replace(self, cfg=cfg, layout=layout,
-                               programs=make_programs(self.graphdef, self.tx, cfg, layout,
-                                                      self.tok),
+    if (cfg.lora.rank > 0) != (self.frozen is not None):
+      raise ValueError("reconfigure cannot turn LoRA on or off (lora.rank): the state differs")
+    base = self.state.params if self.frozen is None else self.frozen.params
+    layout, programs, frozen, _ = _assemble(cfg, self.graphdef, base, self.tx,
+                                            self.layout.mesh, self.tok)
+    return dataclasses.replace(self, cfg=cfg, layout=layout, programs=programs, frozen=frozen,
                                rollout=make_rollout(self.graphdef, cfg, layout, self.tok))
 
 
@@ -61,6 +66,20 @@ def _rendered(task) -> bool:
 def _layout(params, tx, mesh, cfg: TrainConfig) -> Layout:
   sft_tx = sft_optimizer(cfg.sft.steps, cfg.sft.learning_rate) if cfg.sft.steps > 0 else None
   return make_layout(params, tx, mesh, sft_tx)
+
+
+def _assemble(cfg: TrainConfig, graphdef, params, tx, mesh, tok):
+  """(layout, programs, frozen, the trained parameters at init) of a run on the model
+  `params`: a full run trains them (frozen None); a LoRA run freezes them as its base and
+  trains fresh adapters (`lora_run`)."""
+  layout = _layout(params, tx, mesh, cfg)
+  programs = make_programs(graphdef, tx, cfg, layout, tok)
+  if not cfg.lora.rank:
+    return layout, programs, None, params
+  frozen = lora_run.Frozen(params, layout, cfg.lora.scale, programs)
+  layout, adapters = lora_run.adapter_layout(params, tx, mesh, cfg)
+  programs = lora_run.make_programs(graphdef, tx, cfg, layout, tok, frozen)
+  return layout, programs, frozen, adapters
 
 
 def pretrained_load_args(cfg: TrainConfig) -> dict[str, Any]:
@@ -198,6 +217,7 @@ def setup(cfg: TrainConfig, run_dir: str) -> Run:
     model = hf.load(cfg.pretrained, mesh=mesh, **pretrained_load_args(cfg))
     cfg = dataclasses.replace(cfg, model=model.cfg)
     check_routing(cfg)
+    check_lora(cfg.lora, cfg.model)
   else:
     tok, trained = make_tokenizer(task, cfg, run_dir)
     try:
@@ -213,10 +233,9 @@ def setup(cfg: TrainConfig, run_dir: str) -> Run:
     raise ValueError(f"tokenizer has {tok.vocab_size} ids > model.vocab_size={cfg.model.vocab_size}")
   tx = make_optimizer(cfg.optim)
   graphdef, params = nnx.split(model, nnx.Param)
-  layout = _layout(params, tx, mesh, cfg)
-  programs = make_programs(graphdef, tx, cfg, layout, tok)
-  return Run(cfg, task, tok, graphdef, programs.init(params), tx, layout, programs,
-             make_rollout(graphdef, cfg, layout, tok))
+  layout, programs, frozen, trained = _assemble(cfg, graphdef, params, tx, mesh, tok)
+  return Run(cfg, task, tok, graphdef, programs.init(trained), tx, layout, programs,
+             make_rollout(graphdef, cfg, layout, tok), frozen)
 
 
 def load_run(run_dir: str, step: int | None = None) -> Run:
@@ -231,6 +250,8 @@ def load_run(run_dir: str, step: int | None = None) -> Run:
       run.state = ckpt.restore_newest(run.state, set_aside=False)[1]
   finally:
     ckpt.close()
+  if run.frozen is not None:
+    lora_run.restore_base(run.frozen, run_dir)
   return run
 
 

@@ -9,7 +9,10 @@ agreement with its checkpoints.
       tokenizer.model          the task tokenizer (pretrained runs use the model's)
       checkpoints/<step>       orbax; <step>.incomplete and <step>.damaged are set aside,
                                never deleted (gspo_jax/checkpoint.py)
-      reference/               the KL reference policy (loss.kl_coef > 0)
+      reference/               the KL reference policy (loss.kl_coef > 0; not in a LoRA run,
+                               whose reference is its frozen base)
+      base.json, base/         a LoRA run's frozen base: where it comes from, and the
+                               cold start's policy saved once (gspo_jax/lora_run.py)
       metrics.jsonl            one JSON record per step, each step once: cut back to the
                                restored step on resume
       metrics.jsonl.dropped    the records a resume cut (steps after the restored
@@ -50,6 +53,7 @@ REFUSED: dict[str, str] = {
     "task": "the task (prompts, tokenizer, rewards, the held-out set and the data stream)",
     "multiturn.env": "the environment (its problems, observations and rewards)",
     "loss.name": "the objective",
+    "lora": "the adapters (the checkpoint's arrays) and which weights are frozen",
     "loss.kl_coef": "the KL reference (saved at step 0 only when loss.kl_coef > 0)",
     "optim": "the optimiser state (its hyperparameters and schedule live in it)",
     "seed": "the data stream and the random keys",

@@ -5,10 +5,11 @@ each: b = B / num_minibatches and g = G when `share_prompts` keeps groups whole,
 b = B*G / num_minibatches single rows (g = 1) drawn from any group.
 
 The model is bound in here and nowhere else in the update path: `graphdef` (the model's
-structure) and `params` (an nnx.State of its nnx.Param variables) are merged inside the
-traced functions. `gspo_jax.programs` compiles these functions, each as one `jax.jit`
-with its shardings and donation, with a `StepConfig` it resolves once from the run's
-config (`programs.step_config`): this module reads no user config.
+structure) and `params` (an nnx.State of its nnx.Param variables; a LoRA run's adapters)
+are merged inside the traced functions (`lora.model_of`). `gspo_jax.programs` compiles
+these functions, each as one `jax.jit` with its shardings and donation, with a
+`StepConfig` it resolves once from the run's config (`programs.step_config`): this module
+reads no user config.
 Adding a batch field takes one declaration on `Batch` (docs/adding_a_feature.md).
 """
 
@@ -21,10 +22,9 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from gspo_jax import dynamic_sampling, lengths, losses, rng, sharding
+from gspo_jax import dynamic_sampling, lengths, lora, losses, rng, sharding
 from gspo_jax.advantages import group_advantages, turn_advantages
 from gspo_jax.optim import current_lr
 from gspo_jax.rollout_correction import (RolloutCorrectionConfig, off_policy_sequence_mask,
@@ -118,7 +118,7 @@ class Minibatch:
 def sft_loss(params, graphdef, prompts_BxP, lens_B, tokens_BxT, mask_BxT):
   """Negative mean log-likelihood of the demonstration tokens (+ EOS) given the prompt, by
   the same teacher forcing as the RL update (temperature 1)."""
-  model = nnx.merge(graphdef, params)
+  model = lora.model_of(graphdef, params)
   logp_Bx1xT, _ = response_logprobs(model, prompts_BxP, lens_B, tokens_BxT[:, None])
   return -jnp.sum(logp_Bx1xT[:, 0] * mask_BxT) / jnp.maximum(jnp.sum(mask_BxT), 1)
 
@@ -132,7 +132,7 @@ def sft_step(params, opt_state, batch, *, graphdef, tx):
 
 def policy_logprobs(params, graphdef, rows: Batch, cfg: StepConfig, *, replay=None):
   """Teacher-forced log-probs (b, g, T) of `rows` under `params`, and the RouterInfo."""
-  model = nnx.merge(graphdef, params)
+  model = lora.model_of(graphdef, params)
   return response_logprobs(model, rows.prompts_BxP, rows.prompt_lens_B, rows.tokens_BxGxT,
                            temperature=cfg.temperature, replay=replay,
                            share_prompts=cfg.share_prompts)

@@ -32,7 +32,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from gspo_jax import checkpoint, coldstart, configlib, evaluate, metrics, rundir
+from gspo_jax import checkpoint, coldstart, configlib, evaluate, lora_run, metrics, rundir
 from gspo_jax.config import TrainConfig
 from gspo_jax.run import Run, heldout, reference_params, setup
 
@@ -174,6 +174,7 @@ def train(cfg: TrainConfig, run_dir: str, *, resume: bool = False, checkpoint_ev
   except ValueError as e:  # the config, the data or the tokenizer: named, no traceback
     raise rundir.RunDirError(f"setup refused the run: {e}") from e
   checkpoint.check_free_space(run_dir, run.state, keep)
+  _log(lora_run.describe_state(run))
   cfg = run.cfg  # with `model` filled in from a pretrained directory
   ckpt = checkpoint.Checkpointer(ckpt_dir, every=checkpoint_every, keep=keep)
   writer = None
@@ -193,12 +194,19 @@ def train(cfg: TrainConfig, run_dir: str, *, resume: bool = False, checkpoint_ev
         hint = ("" if saved is not None else f"\n{run_dir} has no {rundir.CONFIG} to compare "
                 "the requested config with: resume with the settings the run was started with")
         raise rundir.RunDirError(f"{e}{hint}") from None
+      if run.frozen is not None:  # LoRA: the base the adapters were trained on
+        lora_run.restore_base(run.frozen, run_dir)
       _log(f"resumed from checkpoint step {start} in {run_dir}")
     else:
       if resume:
         _log(f"--resume: no checkpoint in {run_dir}, starting the run")
-      probe = lambda params, examples: evaluate.evaluate(run, params, examples)["accuracy"]
-      run.state = run.programs.init(coldstart.cold_start(run, probe_accuracy=probe, log=_log))
+      cold = lora_run.cold_start_view(run)  # LoRA: the whole base model
+      probe = lambda params, examples: evaluate.evaluate(cold, params, examples)["accuracy"]
+      params = coldstart.cold_start(cold, probe_accuracy=probe, log=_log)
+      if run.frozen is None:
+        run.state = run.programs.init(params)
+      else:  # LoRA: the cold start's policy is the frozen base; the adapters start at B = 0
+        lora_run.freeze(run.frozen, params, run_dir, cfg, trained=cfg.sft.steps > 0)
       ckpt.maybe_save(0, run.state, force=True)
       start = 0
     if jax.process_index() == 0:  # the run has really started (or been restored)
@@ -216,7 +224,9 @@ def train(cfg: TrainConfig, run_dir: str, *, resume: bool = False, checkpoint_ev
     _log(f"held-out accuracy at step {start}: {summary['heldout_accuracy_start']:.3f}")
     writer = metrics.MetricsWriter(run_dir, total=cfg.iterations, initial=start,
                                    progress=progress)
-    ref_params = reference_params(run, run_dir, fresh=start == 0) if cfg.loss.kl_coef else None
+    # A LoRA run's reference is its frozen base, read inside `prepare` (nothing to pass).
+    ref_params = (reference_params(run, run_dir, fresh=start == 0)
+                  if cfg.loss.kl_coef and run.frozen is None else None)
     signals.install(signal.SIGINT)  # from here on Ctrl-C saves at the next boundary
     stopped = signals.requested()
     if stopped and start < cfg.iterations:
