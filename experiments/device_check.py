@@ -3,6 +3,8 @@
     python -m experiments.device_check                  # on a lent GPU / TPU: a few minutes
     python -m experiments.device_check --shapes issue   # the issue's CPU shape only
     python -m experiments.device_check --tiny           # any machine, seconds (the suite runs it)
+    python -m experiments.device_check --plan configs/addition_tiny.py   # + the planner's
+        # predicted peak memory and iteration time against this device's measured ones
 
 Per shape: `benchmark.py decode` (ms per decode step of the phased sampler, of one phase
 over the full cache and of a bfloat16 KV cache, at each T; compile seconds, temporary
@@ -21,6 +23,9 @@ import os
 import sys
 import time
 import traceback
+
+# The planner's check plans for this process's own backend (`plan --topology local`).
+os.environ.setdefault("GSPO_PLAN_LOCAL", "1")
 
 from experiments import _bench, _bench_decode, _bench_long, _results
 
@@ -59,6 +64,31 @@ def check_shape(name: str, repeats: int, variants) -> dict:
   return {"shape": s, "sampler": sampler, "update": update}
 
 
+def plan_check(config: str, iterations: int, sets: list[str]) -> dict:
+  """The planner against the device: plan `config` for this process's devices (`--topology
+  local`), then train it for `iterations` iterations here and compare the predicted peak
+  memory (the largest program's) and roofline iteration time with the measured peak bytes
+  in use and the median iteration time (the first iteration, which compiles, left out)."""
+  import statistics
+  import tempfile
+  import jax
+  from gspo_jax import configlib, plan, train
+  cfg = configlib.apply_overrides(configlib.load_config(config),
+                                  [*sets, f"iterations={iterations}", "eval_every=0"])
+  report = plan.plan(cfg, plan.LOCAL, only=plan.ITERATION)
+  with tempfile.TemporaryDirectory() as run_dir:
+    train.train(cfg, run_dir, progress=False)
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+      rows = [json.loads(line) for line in f]
+  times = [r["time_iteration"] for r in rows if "time_iteration" in r][1:]
+  stats = jax.devices()[0].memory_stats() or {}
+  predicted = max(p.get("peak", 0) for p in report["programs"].values())
+  return {"config": config, "sets": sets, "plan": report,
+          "predicted_peak_bytes": predicted, "measured_peak_bytes": stats.get("peak_bytes_in_use"),
+          "predicted_iteration_s": report.get("iteration_s"),
+          "measured_iteration_s": statistics.median(times) if times else None}
+
+
 def main(argv=None) -> str:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--shapes", nargs="+", default=["issue", "wide"], choices=list(SHAPES))
@@ -69,6 +99,12 @@ def main(argv=None) -> str:
   p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--out", default=None,
                  help="directory (default: runs/results/, or experiments/results/ with --record)")
+  p.add_argument("--plan", default="", metavar="CONFIG",
+                  help="also check the TPU planner against this device: plan CONFIG for the "
+                       "local devices, train it a few iterations, compare peak memory and "
+                       "iteration time (run with GSPO_PLAN_LOCAL=1)")
+  p.add_argument("--plan-iterations", type=int, default=4)
+  p.add_argument("--plan-set", action="append", default=[], metavar="FIELD=VALUE")
   _results.add_record_arg(p)
   args = p.parse_args(argv)
   if "phased" not in args.variants:
@@ -79,6 +115,9 @@ def main(argv=None) -> str:
   record = {"command": "python -m experiments.device_check " + " ".join(argv or sys.argv[1:]),
             "machine": _bench.machine(), "load_average_before": load,
             "shapes": {name: check_shape(name, repeats, variants) for name in shapes}}
+  if args.plan:
+    print(f"== plan check: {args.plan}", flush=True)
+    record["plan_check"] = _guarded(plan_check, args.plan, args.plan_iterations, args.plan_set)
   record.update(load_average_after=os.getloadavg(), seconds=time.perf_counter() - t0)
   out = _results.out_path(args)
   os.makedirs(out, exist_ok=True)

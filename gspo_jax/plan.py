@@ -28,11 +28,13 @@ import os
 
 # libtpu, loaded for the topology, looks for a TPU VM's metadata unless told it is not on
 # one, and takes a machine-wide lock that another JAX process with libtpu installed may
-# hold; the planner itself runs on the CPU backend.
-for _name, _value in (("JAX_PLATFORMS", "cpu"), ("TPU_SKIP_MDS_QUERY", "1"),
-                      ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1"),
-                      ("TPU_ACCELERATOR_TYPE", "v5litepod-4"),
-                      ("TPU_WORKER_HOSTNAMES", "localhost")):
+# hold; the planner itself runs on the CPU backend, unless it plans for the local devices
+# (`--topology local`: whatever backend JAX finds, e.g. a GPU).
+_DEFAULTS = (("TPU_SKIP_MDS_QUERY", "1"), ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1"),
+             ("TPU_ACCELERATOR_TYPE", "v5litepod-4"), ("TPU_WORKER_HOSTNAMES", "localhost"))
+if os.environ.get("GSPO_PLAN_LOCAL") != "1":
+  _DEFAULTS += (("JAX_PLATFORMS", "cpu"),)
+for _name, _value in _DEFAULTS:
   os.environ.setdefault(_name, _value)
 
 import argparse  # noqa: E402
@@ -66,7 +68,10 @@ class PlanError(ValueError):
 
 
 def topology_devices(name: str):
-  """The compile-only devices of a Cloud TPU topology `GEN:AxB[xC]`."""
+  """The compile-only devices of a Cloud TPU topology `GEN:AxB[xC]`, or with "local" this
+  process's own devices."""
+  if name == LOCAL:
+    return jax.devices()
   gen, _, shape = name.partition(":")
   if gen not in CHIPS or not re.fullmatch(r"\d+x\d+(x\d+)?", shape):
     raise PlanError(f"--topology {name!r} is not a TPU topology GEN:AxB[xC] with GEN one of "
@@ -80,6 +85,11 @@ def topology_devices(name: str):
   except Exception as e:  # noqa: BLE001 - libtpu's own error for a shape it does not make
     raise PlanError(f"--topology {name!r} is not a topology libtpu knows ({e}); known here: "
                     f"{', '.join(KNOWN)}") from None
+
+
+# `--topology local`: plan on this process's devices (run with GSPO_PLAN_LOCAL=1, which
+# keeps JAX on its default backend), to compare the planner with a real device.
+LOCAL = "local"
 
 
 class _ShapeTokenizer:
@@ -159,7 +169,7 @@ def plan(cfg: TrainConfig, topology: str, only: tuple[str, ...] = ()) -> dict[st
     raise PlanError("lora.rank > 0: the planner compiles a full run's programs; a LoRA run "
                     "(adapters on a frozen base) is not planned yet")
   devices = topology_devices(topology)
-  chip = CHIPS[topology.partition(":")[0]]
+  chip = plan_cost.local_chip(devices) if topology == LOCAL else CHIPS[topology.partition(":")[0]]
   try:
     mesh = sharding.make_mesh(cfg.mesh, devices=devices)
     programs.check_layout(cfg, mesh)
@@ -239,7 +249,7 @@ def _compile_all(cfg: TrainConfig, layout, progs, chip: Chip, costs, only) -> di
       hlo = compiled.as_text()
       entry.update(_memory(compiled), collectives=plan_hlo.static_counts(hlo),
                    collective_bytes=plan_hlo.collective_bytes(hlo, devices))
-      entry["fits"] = entry["peak"] <= chip.hbm_gib / chip.devices_per_chip * GIB
+      entry["fits"] = not chip.hbm_gib or entry["peak"] <= chip.hbm_gib / chip.devices_per_chip * GIB
       entry.update(flops=costs[0][name], hbm_bytes=costs[1][name],
                    **plan_cost.roofline(costs[0][name], costs[1][name],
                                         entry["collective_bytes"]["wire"], chip, devices))
@@ -248,10 +258,14 @@ def _compile_all(cfg: TrainConfig, layout, progs, chip: Chip, costs, only) -> di
   return out
 
 
+def _gib_text(gib: float) -> str:
+  return f"{gib:g} GiB" if gib else "unknown"
+
+
 def format_report(report: dict[str, Any]) -> str:
   gib = lambda b: f"{b / GIB:8.3f}"
   lines = [f"{report['topology']}: {report['chips']} chips, mesh {report['mesh']}, "
-           f"{report['hbm_per_chip_gib']:g} GiB HBM per chip; parameters "
+           f"{_gib_text(report['hbm_per_chip_gib'])} HBM per chip; parameters "
            f"{report['param_bytes'] / GIB:.3f} GiB, {report['param_bytes_per_chip'] / GIB:.3f} "
            "GiB per chip",
            f"{'program':8s} {'args':>8s} {'output':>8s} {'donated':>8s} {'temp':>8s} "
@@ -340,7 +354,9 @@ def main(argv=None) -> dict[str, Any]:
   parser = argparse.ArgumentParser(description="Compile a run's programs for a Cloud TPU "
                                    "topology on this machine and report per-chip memory")
   configlib.add_cli_args(parser)
-  parser.add_argument("--topology", required=True, help=f"e.g. {', '.join(KNOWN)}")
+  parser.add_argument("--topology", required=True,
+                      help=f"e.g. {', '.join(KNOWN)}; or {LOCAL!r}: this process's devices "
+                           "(with GSPO_PLAN_LOCAL=1 in the environment)")
   parser.add_argument("--json", action="store_true", help="print the report as JSON")
   parser.add_argument("--programs", default="",
                       help="comma-separated programs to compile (default: all); "

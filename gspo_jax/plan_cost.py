@@ -52,6 +52,19 @@ CHIPS = {"v4": Chip(32, 275, 1200, 1.1e6 / 4096, devices_per_chip=2),
          "v6e": Chip(32, 918, 1640, 400)}
 
 
+# Local accelerators by JAX's device_kind, for `--topology local`: published dense bf16
+# peak and HBM bandwidth (NVIDIA's H100 SXM and H200 data sheets); HBM from the device.
+LOCAL_PEAKS = {"NVIDIA H100 80GB HBM3": (989, 3350), "NVIDIA H200": (989, 4800)}
+
+
+def local_chip(devices) -> Chip:
+  """This process's devices as a Chip: HBM from the backend's memory statistics, peaks from
+  `LOCAL_PEAKS` (zero, and no roofline, for a kind not listed, such as a CPU)."""
+  stats = devices[0].memory_stats() or {}
+  tflops, gbs = LOCAL_PEAKS.get(devices[0].device_kind, (0, 0))
+  return Chip(stats.get("bytes_limit", 0) / 2 ** 30, tflops, gbs, ici_gbs=0)
+
+
 def _matmul_params_per_token(m) -> int:
   """Weights each token multiplies by, summed over layers (MoE: the router and K experts)."""
   attn = m.hidden * m.num_heads * m.head_dim * 2 + 2 * m.hidden * m.num_kv_heads * m.head_dim
@@ -159,8 +172,10 @@ def roofline(flops_total: float, hbm_bytes: float, ici_bytes: float, chip: Chip,
              devices: int) -> dict[str, float | str]:
   """Seconds each resource needs at its peak, per chip, and the one that binds."""
   per_device = lambda x: x / chip.devices_per_chip
+  if not chip.bf16_tflops:  # a device whose peaks are not known here
+    return {}
   times = {"compute_s": flops_total / devices / (per_device(chip.bf16_tflops) * 1e12),
            "hbm_s": hbm_bytes / (per_device(chip.hbm_gbs) * 1e9),
-           "ici_s": ici_bytes / (per_device(chip.ici_gbs) * 1e9)}
+           "ici_s": ici_bytes / (per_device(chip.ici_gbs) * 1e9) if chip.ici_gbs else 0.0}
   bound = max(times, key=times.get)
   return {**times, "time_s": times[bound], "bound": bound.removesuffix("_s")}

@@ -63,7 +63,14 @@ def test_benchmark_long_runs(tmp_path, monkeypatch):
 def test_device_check_runs_at_tiny_size(tmp_path):
   # The prepared accelerator check, end to end on this machine's CPU at a toy shape.
   from experiments import device_check
-  record = json.load(open(device_check.main(["--tiny", "--out", str(tmp_path)])))
+  record = json.load(open(device_check.main(
+      ["--tiny", "--out", str(tmp_path), "--plan", "configs/addition_tiny.py:smoke",
+       "--plan-iterations", "2", "--plan-set", "mesh.num_devices=1"])))
+  check = record["plan_check"]
+  assert "error" not in check, check.get("traceback")
+  # The CPU reports no memory statistics or peaks: the prediction stands alone here.
+  assert check["predicted_peak_bytes"] > 0 and check["measured_iteration_s"] > 0
+  assert set(check["plan"]["programs"]) == {"sample", "prepare", "update"}
   tiny = record["shapes"]["tiny"]
   assert "error" not in tiny["sampler"], tiny["sampler"].get("traceback")
   rows = {r["variant"]: r for r in tiny["sampler"]["rows"]}

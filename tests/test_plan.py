@@ -209,3 +209,15 @@ def test_search_lists_the_meshes_that_fit_and_names_the_smallest_shortfall(libtp
                                            r".*the smallest shortfall: .* GiB per chip over "
                                            r"the HBM with data=1 fsdp=2 tensor=2"):
     plan.search(big, "v5e:2x2", only=("init",))
+
+
+def test_the_local_devices_are_planned_like_a_topology():
+  """`--topology local` (for a lent accelerator): the same programs on this process's 8
+  simulated CPU devices; the CPU's HBM and peaks are unknown, so no verdict against a
+  capacity and no roofline, but memory and traffic as for a TPU."""
+  report = plan.plan(smoke("mesh.data=2", "mesh.fsdp=4"), "local", only=("update",))
+  assert report["chips"] == 8 and report["mesh"] == {"data": 2, "fsdp": 4, "tensor": 1}
+  update = report["programs"]["update"]
+  assert update["fits"] and update["peak"] > 0 and "time_s" not in update
+  assert update["flops"] > 0 and "iteration_s" not in report
+  assert "unknown HBM per chip" in plan.format_report(report)
