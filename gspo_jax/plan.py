@@ -320,16 +320,20 @@ def mesh_choices(chips: int) -> list[tuple[int, int, int]]:
   return out
 
 
-def search(cfg: TrainConfig, topology: str, only: tuple[str, ...] = ()) -> dict[str, Any]:
-  """Plan every mesh of the topology's chips; the plans that fit, fastest at the roofline
-  first, and the others with why. PlanError naming the smallest shortfall if none fits."""
+def search(cfg: TrainConfig, topology: str, only: tuple[str, ...] = (),
+           remats: tuple[str, ...] = ()) -> dict[str, Any]:
+  """Plan every mesh of the topology's chips (and each of `remats`, default the config's
+  own); the plans that fit, fastest at the roofline first, and the others with why.
+  PlanError naming the smallest shortfall if none fits."""
   chips = len(topology_devices(topology))
   fits, refused, short = [], [], []
-  for data, fsdp, tensor in mesh_choices(chips):
+  choices = [(m, r) for m in mesh_choices(chips) for r in (remats or (cfg.model.remat,))]
+  for (data, fsdp, tensor), remat in choices:
     mesh = dataclasses.replace(cfg.mesh, data=data, fsdp=fsdp, tensor=tensor, num_devices=0)
-    name = f"data={data} fsdp={fsdp} tensor={tensor}"
+    name = f"data={data} fsdp={fsdp} tensor={tensor}" + (f" remat={remat}" if remats else "")
     try:
-      report = plan(dataclasses.replace(cfg, mesh=mesh), topology, only)
+      model = dataclasses.replace(cfg.model, remat=remat)
+      report = plan(dataclasses.replace(cfg, mesh=mesh, model=model), topology, only)
     except PlanError as e:
       refused.append({"mesh": name, "why": str(e)})
       continue
@@ -364,6 +368,8 @@ def main(argv=None) -> dict[str, Any]:
   parser.add_argument("--search", action="store_true",
                       help="plan every data x fsdp x tensor mesh of the chips; list those that "
                            "fit, fastest first")
+  parser.add_argument("--search-remat", default="",
+                      help="with --search, also try these model.remat values, e.g. full,dots,none")
   args = parser.parse_args(argv)
   only = tuple(p for p in args.programs.split(",") if p)
   try:
@@ -373,7 +379,8 @@ def main(argv=None) -> dict[str, Any]:
                       f"{', '.join(PROGRAMS)}")
     cfg = configlib.config_from_args(args, TrainConfig)
     if args.search:
-      found = search(cfg, args.topology, only)
+      remats = tuple(r for r in args.search_remat.split(",") if r)
+      found = search(cfg, args.topology, only, remats)
       print(json.dumps(found, indent=2) if args.json else "\n".join(
           f"{e['mesh']:32s} " + (f"{e['iteration_s']:.3f} s per iteration at the roofline"
                                  if e["iteration_s"] is not None else "fits")

@@ -200,6 +200,10 @@ def test_search_lists_the_meshes_that_fit_and_names_the_smallest_shortfall(libtp
   assert [e["mesh"] for e in found["fits"]] == ["data=1 fsdp=4 tensor=1",
                                                 "data=2 fsdp=2 tensor=1",
                                                 "data=4 fsdp=1 tensor=1"]
+  with_remat = plan.search(smoke(), "v5e:2x2", only=("init",), remats=("full", "none"))
+  assert sorted(e["mesh"] for e in with_remat["fits"])[:2] == [
+      "data=1 fsdp=4 tensor=1 remat=full", "data=1 fsdp=4 tensor=1 remat=none"]
+  assert len(with_remat["fits"]) == 6
   # The smoke model has one kv head: no tensor axis divides it (refused by name).
   assert len(found["refused"]) == 3 and all("model.num_kv_heads" in r["why"]
                                             for r in found["refused"])
