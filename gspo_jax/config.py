@@ -26,6 +26,7 @@ from typing import Any, Literal
 from gspo_jax import _checks, losses, sharding
 from gspo_jax.optim import OptimConfig
 from gspo_jax.rollout_correction import RolloutCorrectionConfig
+from gspo_jax.row_skip import RowSkipConfig, refusals
 from gspo_jax.tasks.config import TaskConfig  # the task group (re-exported here)
 from gspo_jax.models.config import ModelConfig, tiny
 
@@ -250,6 +251,9 @@ class TrainConfig:
   # xla_backend_optimization_level=0), so existing configs would not train bit for bit
   # as before.
   length_clip_metrics: bool = False
+  # Skip the backward pass of rows whose gradient is exactly zero (gspo_jax/row_skip.py):
+  # the same update up to float32 summation order, an extra forward pass per minibatch.
+  row_skip: RowSkipConfig = RowSkipConfig()
 
   iterations: int = 50
   eval_every: int = 10
@@ -296,6 +300,12 @@ class TrainConfig:
                        f"({self.rollout.prompts_per_iter})")
     self.task.check_widths(self.rollout.max_new_tokens, self.rollout.max_prompt_len)
     check_multiturn(self)
+    if self.row_skip.enabled:
+      bad = refusals(kl_coef=self.loss.kl_coef,
+                     off_policy_threshold=self.rollout_correction.off_policy_threshold)
+      if bad:
+        raise ValueError(f"row_skip.enabled=True cannot be exact with {'; '.join(bad)}: "
+                         "set row_skip.enabled=False")
 
   @classmethod
   def migrate(cls, d: dict) -> dict:
