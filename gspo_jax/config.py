@@ -254,6 +254,10 @@ class TrainConfig:
   # Skip the backward pass of rows whose gradient is exactly zero (gspo_jax/row_skip.py):
   # the same update up to float32 summation order, an extra forward pass per minibatch.
   row_skip: RowSkipConfig = RowSkipConfig()
+  # Time each phase alone: the host waits for the sampler, prepare and the update, so that
+  # time_sample, time_prepare and time_update exclude each other (the phases then no longer
+  # overlap with the host's scoring and bookkeeping). Off: only time_sample, the sampler's own.
+  profile_phases: bool = False
 
   iterations: int = 50
   eval_every: int = 10

@@ -264,6 +264,10 @@ MUTANTS: list[Mutant] = [
       "aggregation, w) / d_full", "aggregation, w)",
       RSKIP + "test_the_skipping_update_equals_the_full_update",
       "the bucket's loss keeps its own denominator (dead rows no longer count)"),
+    M("time_sample_with_update_tail", "gspo_jax/rollout.py",
+      "jax.block_until_ready(params)", "params",
+      "tests/test_phase_times.py::test_time_sample_leaves_out_the_previous_updates_tail",
+      "time_sample (and sample_tokens_per_s) include the previous update's tail"),
     # -- losses ---------------------------------------------------------------------------
     M("seq_ratio_not_length_normalised", "gspo_jax/loss_blocks.py",
       "return jnp.sum(l_BxT, axis=-1) / jnp.maximum(n_B, 1)", "return jnp.sum(l_BxT, axis=-1)",
