@@ -10,7 +10,8 @@ minibatch on, and the parameters' move after each step clips more (the paper's c
 3e-4 / 4e-4); a `--degenerate` share of the groups has equal rewards (zero advantages), the
 others N(0, 1) rewards. Each setting times the full update and the skipping one in turn
 (full, skip, full, skip, ...) `--repeats` times after a first call each (compilation), and
-reports the medians, the median of the per-round ratios (paired), and the skip's own
+reports the medians, the median of the per-round ratios (paired; of wall time and of the
+process's CPU time, which other jobs on a shared machine disturb less), and the skip's own
 metrics: `row_skip_dead_frac` (rows with exactly zero gradient) and `row_skip_saved_frac`
 (rows left out of the backward pass), averaged over the minibatches. The full and the
 skipping update's losses and gradient norms are stored side by side. Writes
@@ -93,17 +94,21 @@ def bench(graphdef, params, args, T: int, degenerate: float) -> dict:
     metrics[name] = fn(batch, rewards)
     first[name] = time.perf_counter() - t0
   times = {name: [] for name in fns}
+  cpu = {name: [] for name in fns}
   for _ in range(args.repeats):
     for name, fn in fns.items():
-      t0 = time.perf_counter()
+      t0, c0 = time.perf_counter(), time.process_time()
       fn(batch, rewards)
       times[name].append(time.perf_counter() - t0)
+      cpu[name].append(time.process_time() - c0)
   full, skip = metrics["full"], metrics["skip"]
+  paired = lambda d: statistics.median(a / b for a, b in zip(d["full"], d["skip"]))
   return {
       "new_tokens": T, "degenerate_groups": degenerate,
-      "first_call_s": first, "times_s": times,
+      "first_call_s": first, "times_s": times, "cpu_s": cpu,
       "median_s": {k: statistics.median(v) for k, v in times.items()},
-      "paired_speedup": statistics.median(a / b for a, b in zip(times["full"], times["skip"])),
+      "median_cpu_s": {k: statistics.median(v) for k, v in cpu.items()},
+      "paired_speedup": paired(times), "paired_cpu_speedup": paired(cpu),
       "row_skip_dead_frac": float(skip["row_skip_dead_frac"]),
       "row_skip_saved_frac": float(skip["row_skip_saved_frac"]),
       "clip_frac_seq": float(full["clip_frac_seq"]),
@@ -148,7 +153,8 @@ def main(argv=None):
       r = bench(graphdef, params, args, T, share)
       record["results"].append(r)
       print(f"T={T:5d} degenerate={share:.2f}: full {r['median_s']['full']:.3f} s, skip "
-            f"{r['median_s']['skip']:.3f} s, paired {r['paired_speedup']:.2f}x; dead "
+            f"{r['median_s']['skip']:.3f} s, paired {r['paired_speedup']:.2f}x (CPU time "
+            f"{r['paired_cpu_speedup']:.2f}x); dead "
             f"{r['row_skip_dead_frac']:.2f}, saved {r['row_skip_saved_frac']:.2f}, "
             f"clip_frac_seq {r['clip_frac_seq']:.2f}", flush=True)
   record["loadavg_after"] = os.getloadavg()

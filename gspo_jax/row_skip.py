@@ -23,11 +23,14 @@ the first two apply (`LIVE_ROWS`).
        grad L = grad L_bucket * max(D_bucket, 1) / max(D, 1),
      D = N (non-empty rows; seq-mean-token-mean, seq-mean-token-sum-norm) or the counted
      tokens (token-mean), `denominator`. Dead rows still count in D.
-K = U is the plain full gradient. The result equals the full update up to float32
-summation order; a row within float32 rounding of a clip bound may be judged on either side
-by the two passes (as by two compilations of the full update: docs/losses.md, ties).
-The cost: pass 1 is about a third of a full update's FLOPs, so the skip pays when the
-bucket's saving (two thirds of the skipped units' share) exceeds it (docs/performance.md).
+K = U is pass 1's own backward (`jax.vjp`): the plain full gradient, at the full update's
+cost. The result equals the full update up to float32 summation order; a row within float32
+rounding of a clip bound may be judged on either side by the two passes (as it may by two
+compilations of the full update).
+The cost: pass 1 keeps its residuals (the full update's memory), and a bucket of K < U
+units adds a forward and backward over K units (about K/U of a full update) to pass 1's
+forward (about a third): it pays when fewer than about two thirds of the units are live
+(docs/performance.md). Peak memory is pass 1's residuals plus the bucket's.
 """
 
 from __future__ import annotations
@@ -190,13 +193,18 @@ def value_and_grad(loss_fn, forward_fn, layout: dict[str, str], params, graphdef
   skip: RowSkip = cfg.row_skip
   rows = mb.rows
   replay = rows.old_experts if cfg.routing in ("replay", "rollout_replay") else None
-  forward = forward_fn(params, graphdef, rows, cfg, replay=replay)
-  loss, metrics = loss_fn(params, graphdef, mb, cfg, forward)
+
+  def full(p):  # pass 1, its residuals kept for the full-size branch's backward
+    forward = forward_fn(p, graphdef, rows, cfg, replay=replay)
+    loss, metrics = loss_fn(p, graphdef, mb, cfg, forward)
+    return loss, (metrics, jax.lax.stop_gradient(forward[0]))
+
+  loss, full_vjp, (metrics, logp_bxgxT) = jax.vjp(full, params, has_aux=True)
   b, g = rows.tokens_BxGxT.shape[:2]
   adv = mb.adv_bxg.reshape((b * g, -1) if mb.adv_bxg.ndim == 3 else (-1,))
   weights = None if mb.token_weights_bxgxT is None else _flat(mb.token_weights_bxgxT)
   mask_RxT = _flat(rows.mask_BxGxT)
-  live_R = live_rows(skip.loss, _flat(forward[0]), _flat(rows.old_logp_BxGxT), adv, mask_RxT,
+  live_R = live_rows(skip.loss, _flat(logp_bxgxT), _flat(rows.old_logp_BxGxT), adv, mask_RxT,
                      weights, **{k: v for k, v in skip.kwargs.items() if k != "aggregation"})
   live_bxg = live_R.reshape(b, g)
   live_U = jnp.any(live_bxg, axis=1) if g > 1 else live_bxg[:, 0]
@@ -208,8 +216,8 @@ def value_and_grad(loss_fn, forward_fn, layout: dict[str, str], params, graphdef
   def bucket_grad(k):
     if k == len(sizes):  # no live row: the gradient is exactly zero
       return jax.tree.map(jnp.zeros_like, params)
-    if k == 0:           # every size: the plain full gradient
-      return jax.grad(lambda p: loss_fn(p, graphdef, mb, cfg)[0])(params)
+    if k == 0:           # every size: pass 1's own backward, the plain full gradient
+      return full_vjp(jnp.ones_like(loss))[0]
     idx_K = order_U[:sizes[k]]
     sub = _take_units(mb, idx_K, layout)
     mask_KxGxT = sub.rows.mask_BxGxT

@@ -192,7 +192,9 @@ def test_the_skipping_update_equals_the_full_update(model, case):
   for k in full_m:
     np.testing.assert_allclose(skip_m[k], full_m[k], rtol=1e-5, atol=1e-7, err_msg=k)
   assert skip_m["row_skip_dead_frac"] > 0.25
-  if case != "gspo_shared_prompts":   # a group is skipped only when all its rows are dead
+  if case == "gspo_shared_prompts":   # a group is skipped only when all its rows are dead:
+    assert skip_m["row_skip_saved_frac"] == 0   # here none is, pass 1's own backward runs
+  else:
     assert skip_m["row_skip_saved_frac"] > 0
   if base.num_minibatches == 1:
     adam_bounds.assert_first_step_states_close(skip_state, full_state, LR)
@@ -234,3 +236,32 @@ def test_settings_that_give_dead_rows_a_gradient_are_refused(kw, field):
 def test_bad_halvings_are_refused():
   with pytest.raises(ValueError, match="row_skip.halvings"):
     C.RowSkipConfig(enabled=True, halvings=0)
+
+
+# -- on 8 devices -----------------------------------------------------------------------------
+
+def test_the_skipping_update_equals_the_full_update_on_8_devices(tmp_path):
+  """The run's own update program on a data-parallel mesh of 8 devices, where a bucket
+  (4 of a minibatch's 16 rows) does not divide over the devices: the same update."""
+  from gspo_jax import run as R
+  from gspo_jax import sharding
+  from gspo_jax.rollout import rollout_step
+  from tests.helpers import small_cfg
+  cfg = dataclasses.replace(small_cfg(sharding.MeshConfig(data=8)), loss=C.LossConfig())
+  run = R.setup(cfg, str(tmp_path))
+  r = rollout_step(run, run.state.params, run.state.key, 0)
+  rewards_BxG = np.random.default_rng(0).normal(size=r.rewards_BxG.shape).astype(np.float32)
+  rewards_BxG[:6] = 1.0                                  # 6 of 8 groups degenerate
+  rewards = sharding.feed(rewards_BxG, run.layout.mesh, rewards_BxG.shape[0])
+  skip_run = run.reconfigure(dataclasses.replace(cfg, row_skip=C.RowSkipConfig(enabled=True)))
+  full_state, full_m = run.programs.update(jax.tree.map(jnp.copy, run.state), r.batch, rewards)
+  skip_state, skip_m = skip_run.programs.update(jax.tree.map(jnp.copy, run.state), r.batch,
+                                                rewards)
+  full_m, skip_m = jax.device_get(full_m), jax.device_get(skip_m)
+  for k in full_m:
+    np.testing.assert_allclose(skip_m[k], full_m[k], rtol=1e-5, atol=1e-7, err_msg=k)
+  assert skip_m["row_skip_saved_frac"] > 0
+  adam_bounds.assert_steps_close(jax.device_get(jax.tree.leaves(skip_state.params)),
+                                 jax.device_get(jax.tree.leaves(full_state.params)),
+                                 cfg.optim.learning_rate, cfg.num_minibatches, rtol=1e-4,
+                                 atol=1e-6)
