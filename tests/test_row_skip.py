@@ -55,7 +55,7 @@ def predicate_batch(per_token_adv: bool):
 
 
 def rows_with_gradient(name, logp, old, adv, mask):
-  kwargs = {k: v for k, v in losses.LOSS_DEFAULTS[name].items()}
+  kwargs = dict(losses.LOSS_DEFAULTS[name])
   g = jax.grad(lambda lp: losses.LOSSES[name](lp, old, adv, mask, **kwargs)[0])(logp)
   return np.any(np.asarray(g) != 0, axis=-1)
 
