@@ -53,7 +53,8 @@ def bench_peak(args) -> dict:
     sec_bf16 = timed(f, b, b, repeats=args.repeats)
     flop = 2 * n**3
     rows.append({"n": n, "seconds": sec, "gflops": flop / sec / 1e9,
-                 "bf16_f32acc_gflops": flop / sec_acc32 / 1e9, "bf16_gflops": flop / sec_bf16 / 1e9})
+                 "bf16_f32acc_gflops": flop / sec_acc32 / 1e9,
+                 "bf16_gflops": flop / sec_bf16 / 1e9})
     print(f"matmul {n:5d}x{n:<5d} f32  {rows[-1]['gflops']:8.1f} GFLOP/s   bf16 -> f32 "
           f"{rows[-1]['bf16_f32acc_gflops']:8.1f}   bf16 -> bf16 {rows[-1]['bf16_gflops']:8.1f}")
   return {"peak_gflops": max(r["gflops"] for r in rows), "rows": rows}

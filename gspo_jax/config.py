@@ -252,7 +252,7 @@ class TrainConfig:
   # as before.
   length_clip_metrics: bool = False
   # Skip the backward pass of rows whose gradient is exactly zero (gspo_jax/row_skip.py):
-  # the same update up to float32 summation order, an extra forward pass per minibatch.
+  # the same update up to float32 summation order; docs/update_speed.md says when it pays.
   row_skip: RowSkipConfig = RowSkipConfig()
   # Time each phase alone: the host waits for the sampler, prepare and the update, so that
   # time_sample, time_prepare and time_update exclude each other (the phases then no longer

@@ -60,8 +60,9 @@ def rollout_step(run, params, key, step: int, ref_params=None, log=print) -> Rol
   prompts_l, lens_l = run.encode_prompts([e.prompt for e in examples])
   prompts, lens = sharding.feed(prompts_l, mesh, B), sharding.feed(lens_l, mesh, B)
   # The sampler reads the parameters the previous update writes, so it cannot start before
-  # that update ends: waiting for them here costs the loop nothing and keeps the update's
-  # tail out of time_sample (the sampler's own time, what sample_tokens_per_s divides by).
+  # that update ends: waiting for them here cost the loop no measurable time
+  # (docs/update_speed.md) and keeps the update's tail out of time_sample (the sampler's own
+  # time, what sample_tokens_per_s divides by).
   jax.block_until_ready(params)
   t0 = time.perf_counter()
   rollout, device_stats = run.programs.sample(params, prompts, lens, key, step)
