@@ -134,10 +134,11 @@ def model():
   return nnx.split(transformer.create(MODEL, seed=3), nnx.Param)
 
 
-def skip_batch(model, empty=((1, 2), (3, 0)), degenerate=(0,)):
+def skip_batch(model, empty=((1, 2), (3, 0)), degenerate=(0,), sampler_noise=0.0):
   """A batch of NB groups whose pi_old is the trainer's own log-probs shifted per row, so
   that at the first minibatch some sequence ratios are clipped: the groups in `degenerate`
-  have equal rewards (zero advantages), the rows in `empty` no counted token."""
+  have equal rewards (zero advantages), the rows in `empty` no counted token. With
+  `sampler_noise`, the sampler's log-probs are pi_old's plus N(0, sampler_noise) per token."""
   graphdef, params = model
   rng = np.random.default_rng(5)
   prompts = jnp.asarray(rng.integers(2, MODEL.vocab_size, (NB, NP)), jnp.int32)
@@ -153,7 +154,11 @@ def skip_batch(model, empty=((1, 2), (3, 0)), degenerate=(0,)):
   old = (logp + shift[..., None] + rng.normal(0, 1e-4, logp.shape)) * mask
   rewards = rng.normal(size=(NB, NG)).astype(np.float32)
   rewards[list(degenerate)] = 1.0
-  return rows.replace(old_logp_BxGxT=old.astype(jnp.float32)), jnp.asarray(rewards)
+  rows = rows.replace(old_logp_BxGxT=old.astype(jnp.float32))
+  if sampler_noise:
+    noise = rng.normal(0, sampler_noise, old.shape).astype(np.float32)
+    rows = rows.replace(sampler_logp_BxGxT=(rows.old_logp_BxGxT + noise) * mask)
+  return rows, jnp.asarray(rewards)
 
 
 def run_update(model, cfg, batch, rewards):
@@ -175,6 +180,9 @@ CASES = {
                                                aggregation="token-mean")), {}),
     "cispo": (dict(loss=C.LossConfig(name="cispo")), dict(degenerate=(0, 2))),
     "gspo_two_minibatches": (dict(num_minibatches=2), {}),
+    # masked importance weights: about a third of the tokens weigh 0 (denominators change)
+    "gspo_correction_mask": (dict(rollout_correction=C.RolloutCorrectionConfig(
+        level="token", mode="mask", threshold=1.1)), dict(sampler_noise=0.1)),
 }
 
 
