@@ -7,7 +7,6 @@ import dataclasses
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -25,24 +24,28 @@ def collected(run, iterations):
   return out
 
 
-def slowed(run, seconds):
-  """`run` whose update's parameters become ready `seconds` after the update program is
-  dispatched (a host callback inside a program queued behind it): an update with a long
-  tail, as a large model's is."""
-  def wait():
-    time.sleep(seconds)
-    return np.float32(0)
+def slowed(run, seconds, monkeypatch):
+  """`run` whose every update has a tail of `seconds`: the first wait for its new state
+  (or its parameters) takes that long, as waiting for a large model's update does. (XLA:CPU
+  may run a small program inline at dispatch, so a real delay inside a program would not
+  reliably become a tail; the wait is simulated where the host waits.)"""
+  pending = []
+  real = jax.block_until_ready
 
-  @jax.jit
-  def delayed(params):
-    zero = jax.pure_callback(wait, jax.ShapeDtypeStruct((), jnp.float32))
-    return jax.tree.map(lambda p: p + zero.astype(p.dtype), params)
+  def block_until_ready(x):
+    for p in list(pending):
+      if x is p or getattr(x, "params", None) is p:
+        pending.remove(p)
+        time.sleep(seconds)
+    return real(x)
 
+  monkeypatch.setattr(jax, "block_until_ready", block_until_ready)
   update = run.programs.update
 
   def slow_update(state, batch, rewards):
     state, metrics = update(state, batch, rewards)
-    return state.replace(params=delayed(state.params)), metrics
+    pending.append(state.params)
+    return state, metrics
   return dataclasses.replace(run, programs=dataclasses.replace(run.programs, update=slow_update))
 
 
@@ -54,20 +57,20 @@ def setup_run(tmp_path_factory):
   return make
 
 
-def test_time_sample_leaves_out_the_previous_updates_tail(setup_run):
-  """The second iteration's sampler is queued behind an update that ends SLOW_S seconds
-  late: the iteration takes that long, its time_sample does not."""
-  m = collected(slowed(setup_run(), SLOW_S), 2)[2]
+def test_time_sample_leaves_out_the_previous_updates_tail(setup_run, monkeypatch):
+  """The second iteration's sampler comes after an update that ends SLOW_S seconds late:
+  the iteration takes that long, its time_sample does not."""
+  m = collected(slowed(setup_run(), SLOW_S, monkeypatch), 2)[2]
   assert m["time_iteration"] > SLOW_S
   assert m["time_sample"] < SLOW_S / 2
   np.testing.assert_allclose(m["sample_tokens_per_s"], m["response_tokens"] / m["time_sample"])
   assert "time_update" not in m and "time_prepare" not in m   # only when asked
 
 
-def test_profiled_phases_are_disjoint_parts_of_the_iteration(setup_run):
+def test_profiled_phases_are_disjoint_parts_of_the_iteration(setup_run, monkeypatch):
   """With profile_phases the update's time is its own (it holds the slow tail), and
   sample + prepare + score + update fit in the iteration."""
-  metrics = collected(slowed(setup_run(profile_phases=True), SLOW_S), 2)
+  metrics = collected(slowed(setup_run(profile_phases=True), SLOW_S, monkeypatch), 2)
   for step, m in metrics.items():
     phases = [m[k] for k in ("time_sample", "time_prepare", "time_score", "time_update")]
     assert all(p > 0 for p in phases), m
