@@ -55,7 +55,7 @@ def train_cfg(args, T: int, skip: bool) -> TrainConfig:
       share_prompts=args.share_prompts,
       rollout=RolloutConfig(prompts_per_iter=args.prompts, group_size=args.group,
                             max_new_tokens=T, max_prompt_len=args.prompt_len),
-      row_skip=RowSkipConfig(enabled=skip, halvings=args.halvings))
+      row_skip=RowSkipConfig(enabled=skip, buckets=args.buckets))
 
 
 def make_batch(graphdef, params, args, T: int, degenerate: float):
@@ -134,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
                  help="shares of the groups with equal rewards")
   p.add_argument("--minibatches", type=int, default=4)
   p.add_argument("--share-prompts", action="store_true")
-  p.add_argument("--halvings", type=int, default=2, help="row_skip.halvings")
+  p.add_argument("--buckets", type=int, default=4, help="row_skip.buckets")
   p.add_argument("--noise", type=float, default=0.01, help="pi_old = pi_theta + N(0, noise)")
   p.add_argument("--repeats", type=int, default=5)
   p.add_argument("--out", default=None)

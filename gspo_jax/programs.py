@@ -85,7 +85,7 @@ def step_config(cfg: TrainConfig) -> step.StepConfig:
       keep_groups=cfg.rollout.prompts_per_iter if cfg.rollout.oversample else 0,
       turn_credit=cfg.multiturn.turn_credit, length_clip_metrics=cfg.length_clip_metrics,
       row_skip=row_skip.RowSkip(lc.name, tuple(sorted(lc.kwargs().items())),
-                                cfg.row_skip.halvings) if cfg.row_skip.enabled else None)
+                                cfg.row_skip.buckets) if cfg.row_skip.enabled else None)
 
 
 def check_layout(cfg: TrainConfig, mesh: Mesh) -> None:

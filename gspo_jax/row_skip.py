@@ -16,8 +16,9 @@ the first two apply (`LIVE_ROWS`).
   1. a forward pass at the current parameters over the whole minibatch: the loss and
      every metric (exactly the full update's), and which rows are live (`live_rows`);
   2. the gradient over a bucket of K units: the live units first (a stable sort), the
-     smallest of K = U, ceil(U/2), ..., ceil(U/2^L) that holds them (a `lax.switch`, one
-     compiled backward per size; no live row: an exact zero gradient). Inside the bucket
+     smallest of K = U, ceil(U (n-1)/n), ..., ceil(U/n) that holds them (n =
+     `row_skip.buckets`; a `lax.switch`, one compiled backward per size; no live row: an
+     exact zero gradient). Inside the bucket
      every row that pass 1 found dead gets mask 0, so it takes no part in the loss, and
      the bucket's loss is rescaled to the minibatch's denominator:
        grad L = grad L_bucket * max(D_bucket, 1) / max(D, 1),
@@ -53,25 +54,26 @@ _SEQ_MEAN = "seq-mean-token-mean"
 class RowSkipConfig:
   """`row_skip.*`: skip the backward pass of rows with exactly zero gradient."""
   enabled: bool = False
-  # Bucket sizes: the minibatch's units, halved up to this many times.
-  halvings: int = 2
+  # Bucket sizes: n evenly spaced fractions of the minibatch's units, U * k / n for
+  # k = n, ..., 1 (rounded up); one compiled backward pass each.
+  buckets: int = 4
 
   def __post_init__(self):
     if not isinstance(self.enabled, bool):
       raise ValueError(f"row_skip.enabled must be a bool; got {self.enabled!r}")
-    if isinstance(self.halvings, bool) or not isinstance(self.halvings, int) \
-        or self.halvings < 1:
-      raise ValueError(f"row_skip.halvings must be an int >= 1 (bucket sizes: the "
-                       f"minibatch halved up to this many times); got {self.halvings!r}")
+    if isinstance(self.buckets, bool) or not isinstance(self.buckets, int) \
+        or self.buckets < 2:
+      raise ValueError(f"row_skip.buckets must be an int >= 2 (bucket sizes: the minibatch "
+                       f"times k / buckets, k = buckets, ..., 1); got {self.buckets!r}")
 
 
 @dataclasses.dataclass(frozen=True)
 class RowSkip:
   """What the train step reads (`programs.step_config` resolves it from the config): the
-  loss's name (a key of `LIVE_ROWS`), its hyperparameters and the bucket halvings."""
+  loss's name (a key of `LIVE_ROWS`), its hyperparameters and the number of buckets."""
   loss: str
   hyperparameters: tuple[tuple[str, Any], ...]
-  halvings: int = 2
+  buckets: int = 4
 
   @property
   def kwargs(self) -> dict[str, Any]:
@@ -159,9 +161,10 @@ def denominator(mask_RxT: Array, aggregation: str, token_weights_RxT: Array | No
   return jnp.maximum(d, 1.0)
 
 
-def bucket_sizes(units: int, halvings: int) -> tuple[int, ...]:
-  """(U, ceil(U/2), ..., ceil(U/2^L)), duplicates dropped (small minibatches)."""
-  sizes = [-(-units // 2 ** k) for k in range(halvings + 1)]
+def bucket_sizes(units: int, buckets: int) -> tuple[int, ...]:
+  """(U, ceil(U (n-1)/n), ..., ceil(U/n)) for n buckets, duplicates dropped (small
+  minibatches)."""
+  sizes = [-(-units * k // buckets) for k in range(buckets, 0, -1)]
   return tuple(dict.fromkeys(sizes))
 
 
@@ -209,7 +212,7 @@ def value_and_grad(loss_fn, forward_fn, layout: dict[str, str], params, graphdef
   live_bxg = live_R.reshape(b, g)
   live_U = jnp.any(live_bxg, axis=1) if g > 1 else live_bxg[:, 0]
   units = live_U.shape[0]
-  sizes = bucket_sizes(units, skip.halvings)
+  sizes = bucket_sizes(units, skip.buckets)
   order_U = jnp.argsort(~live_U, stable=True)           # live units first, in order
   d_full = denominator(mask_RxT, skip.aggregation, weights)
 

@@ -109,8 +109,9 @@ def test_denominator_counts_rows_or_tokens_and_dead_rows_count():
   assert float(row_skip.denominator(jnp.zeros((2, 3)), "token-mean")) == 1
   w = jnp.asarray([[1, 0, 0], [1, 1, 1], [0, 0, 0]], jnp.float32)   # weights drop tokens
   assert float(row_skip.denominator(mask, "seq-mean-token-mean", w)) == 1
-  assert row_skip.bucket_sizes(8, 2) == (8, 4, 2)
-  assert row_skip.bucket_sizes(3, 3) == (3, 2, 1)
+  assert row_skip.bucket_sizes(8, 4) == (8, 6, 4, 2)
+  assert row_skip.bucket_sizes(64, 8) == (64, 56, 48, 40, 32, 24, 16, 8)
+  assert row_skip.bucket_sizes(3, 4) == (3, 2, 1)
 
 
 # -- the skipping update equals the full one -------------------------------------------------
@@ -176,6 +177,8 @@ def run_update(model, cfg, batch, rewards):
 CASES = {
     "gspo": (dict(), {}),
     "gspo_shared_prompts": (dict(share_prompts=True), {}),
+    # every group keeps a live row: the full-size branch (the first pass's own backward)
+    "gspo_shared_prompts_all_live": (dict(share_prompts=True), dict(degenerate=())),
     "grpo_token_mean": (dict(loss=C.LossConfig(name="grpo", eps_low=0.01, eps_high=0.01,
                                                aggregation="token-mean")), {}),
     "cispo": (dict(loss=C.LossConfig(name="cispo")), dict(degenerate=(0, 2))),
@@ -194,14 +197,14 @@ def test_the_skipping_update_equals_the_full_update(model, case):
   fields, batch_args = CASES[case]
   batch, rewards = skip_batch(model, **batch_args)
   base = update_cfg(**fields)
-  skip = dataclasses.replace(base, row_skip=C.RowSkipConfig(enabled=True, halvings=2))
+  skip = dataclasses.replace(base, row_skip=C.RowSkipConfig(enabled=True, buckets=4))
   full_state, full_m = run_update(model, base, batch, rewards)
   skip_state, skip_m = run_update(model, skip, batch, rewards)
   for k in full_m:
     np.testing.assert_allclose(skip_m[k], full_m[k], rtol=1e-5, atol=1e-7, err_msg=k)
   assert skip_m["row_skip_dead_frac"] > 0.25
-  if case == "gspo_shared_prompts":   # a group is skipped only when all its rows are dead:
-    assert skip_m["row_skip_saved_frac"] == 0   # here none is, pass 1's own backward runs
+  if case == "gspo_shared_prompts_all_live":
+    assert skip_m["row_skip_saved_frac"] == 0
   else:
     assert skip_m["row_skip_saved_frac"] > 0
   if base.num_minibatches == 1:
@@ -241,9 +244,9 @@ def test_settings_that_give_dead_rows_a_gradient_are_refused(kw, field):
     update_cfg(row_skip=C.RowSkipConfig(enabled=True), **kw)
 
 
-def test_bad_halvings_are_refused():
-  with pytest.raises(ValueError, match="row_skip.halvings"):
-    C.RowSkipConfig(enabled=True, halvings=0)
+def test_bad_bucket_counts_are_refused():
+  with pytest.raises(ValueError, match="row_skip.buckets"):
+    C.RowSkipConfig(enabled=True, buckets=1)
 
 
 # -- on 8 devices -----------------------------------------------------------------------------
