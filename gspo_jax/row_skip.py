@@ -86,7 +86,7 @@ class RowSkip:
 
 def refusals(*, kl_coef: float, off_policy_threshold: float) -> list[str]:
   """The settings that give dead rows a gradient or decide the rows from pi_theta again
-  inside the backward pass (what `config.check_row_skip` refuses, by field name)."""
+  inside the backward pass (what `TrainConfig` refuses with the skip on, by field name)."""
   out = []
   if kl_coef:
     out.append(f"loss.kl_coef={kl_coef} (the KL term gives every row a gradient)")
