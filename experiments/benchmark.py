@@ -39,13 +39,24 @@ from gspo_jax.logprobs import token_logprobs, token_logprobs_from_hidden
 
 
 def bench_peak(args) -> dict:
+  """float32 matmuls (the peak the update's MFU is taken against), and beside them bfloat16
+  inputs with a float32 result (`preferred_element_type`: where the CPU has AMX-BF16 or
+  AVX512-BF16 units, XLA:CPU uses them) and bfloat16 in and out."""
   rows = []
+  bf16_acc32 = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
   for n in args.sizes:
     a = jnp.ones((n, n), jnp.float32)
+    b = a.astype(jnp.bfloat16)
     f = jax.jit(jnp.dot)
     sec = timed(f, a, a, repeats=args.repeats)
-    rows.append({"n": n, "seconds": sec, "gflops": 2 * n**3 / sec / 1e9})
-    print(f"matmul {n:5d}x{n:<5d} f32  {rows[-1]['gflops']:8.1f} GFLOP/s")
+    sec_acc32 = timed(bf16_acc32, b, b, repeats=args.repeats)
+    sec_bf16 = timed(f, b, b, repeats=args.repeats)
+    flop = 2 * n**3
+    rows.append({"n": n, "seconds": sec, "gflops": flop / sec / 1e9,
+                 "bf16_f32acc_gflops": flop / sec_acc32 / 1e9,
+                 "bf16_gflops": flop / sec_bf16 / 1e9})
+    print(f"matmul {n:5d}x{n:<5d} f32  {rows[-1]['gflops']:8.1f} GFLOP/s   bf16 -> f32 "
+          f"{rows[-1]['bf16_f32acc_gflops']:8.1f}   bf16 -> bf16 {rows[-1]['bf16_gflops']:8.1f}")
   return {"peak_gflops": max(r["gflops"] for r in rows), "rows": rows}
 
 

@@ -28,6 +28,7 @@ from gspo_jax import _checks, losses, sharding
 from gspo_jax.lora import LoRAConfig, check_model as check_lora
 from gspo_jax.optim import OptimConfig
 from gspo_jax.rollout_correction import RolloutCorrectionConfig
+from gspo_jax.row_skip import RowSkipConfig, refusals
 from gspo_jax.tasks.config import TaskConfig  # the task group (re-exported here)
 from gspo_jax.models.config import ModelConfig, tiny
 
@@ -254,6 +255,13 @@ class TrainConfig:
   # xla_backend_optimization_level=0), so existing configs would not train bit for bit
   # as before.
   length_clip_metrics: bool = False
+  # Skip the backward pass of rows whose gradient is exactly zero (gspo_jax/row_skip.py):
+  # the same update up to float32 summation order; docs/update_speed.md says when it pays.
+  row_skip: RowSkipConfig = RowSkipConfig()
+  # Time each phase alone: the host waits for the sampler, prepare and the update, so that
+  # time_sample, time_prepare and time_update exclude each other (the phases then no longer
+  # overlap with the host's scoring and bookkeeping). Off: only time_sample, the sampler's own.
+  profile_phases: bool = False
 
   iterations: int = 50
   eval_every: int = 10
@@ -298,6 +306,12 @@ class TrainConfig:
                        f"({self.rollout.prompts_per_iter})")
     self.task.check_widths(self.rollout.max_new_tokens, self.rollout.max_prompt_len)
     check_multiturn(self)
+    if self.row_skip.enabled:
+      bad = refusals(kl_coef=self.loss.kl_coef,
+                     off_policy_threshold=self.rollout_correction.off_policy_threshold)
+      if bad:
+        raise ValueError(f"row_skip.enabled=True cannot be exact with {'; '.join(bad)}: "
+                         "set row_skip.enabled=False")
 
   @classmethod
   def migrate(cls, d: dict) -> dict:

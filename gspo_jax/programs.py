@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from gspo_jax import losses, optim, rng, sampling, sharding, step
+from gspo_jax import losses, optim, rng, row_skip, sampling, sharding, step
 from gspo_jax.config import TrainConfig
 from gspo_jax.models.config import ModelConfig
 from gspo_jax.sampling import SamplerConfig
@@ -72,7 +72,8 @@ def make_layout(params, tx, mesh: Mesh, sft_tx=None) -> Layout:
 
 def step_config(cfg: TrainConfig) -> step.StepConfig:
   """What the train step reads of `cfg`, resolved once: the loss with its hyperparameters
-  bound (`LossConfig.kwargs`), the KL term when `loss.kl_coef` > 0."""
+  bound (`LossConfig.kwargs`), the KL term when `loss.kl_coef` > 0, the row skip's
+  settings when `row_skip.enabled`."""
   lc = cfg.loss
   kl = step.KLTerm(lc.kl_coef, lc.kl_estimator, lc.kl_aggregation) if lc.kl_coef else None
   return step.StepConfig(
@@ -82,7 +83,9 @@ def step_config(cfg: TrainConfig) -> step.StepConfig:
       truncation=cfg.truncation, max_new_tokens=cfg.rollout.max_new_tokens,
       overlong_cache=cfg.overlong_cache, correction=cfg.rollout_correction,
       keep_groups=cfg.rollout.prompts_per_iter if cfg.rollout.oversample else 0,
-      turn_credit=cfg.multiturn.turn_credit, length_clip_metrics=cfg.length_clip_metrics)
+      turn_credit=cfg.multiturn.turn_credit, length_clip_metrics=cfg.length_clip_metrics,
+      row_skip=row_skip.RowSkip(lc.name, tuple(sorted(lc.kwargs().items())),
+                                cfg.row_skip.buckets) if cfg.row_skip.enabled else None)
 
 
 def check_layout(cfg: TrainConfig, mesh: Mesh) -> None:

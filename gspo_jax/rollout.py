@@ -59,11 +59,24 @@ def rollout_step(run, params, key, step: int, ref_params=None, log=print) -> Rol
   examples = sharding.local_part(run.task.train_batch(cfg.seed, step, B), mesh)
   prompts_l, lens_l = run.encode_prompts([e.prompt for e in examples])
   prompts, lens = sharding.feed(prompts_l, mesh, B), sharding.feed(lens_l, mesh, B)
+  # The sampler reads the parameters the previous update writes, so it cannot start before
+  # that update ends: waiting for them here cost the loop no measurable time
+  # (docs/update_speed.md) and keeps the update's tail out of time_sample (the sampler's own
+  # time, what sample_tokens_per_s divides by).
+  jax.block_until_ready(params)
   t0 = time.perf_counter()
   rollout, device_stats = run.programs.sample(params, prompts, lens, key, step)
+  phases = {}
+  if cfg.profile_phases:  # prepare timed alone: it no longer overlaps the host's scoring
+    jax.block_until_ready(rollout)
+    phases["time_sample"] = time.perf_counter() - t0
+  t1 = time.perf_counter()
   batch = run.programs.prepare(params, ref_params, rollout, prompts, lens)
+  if cfg.profile_phases:
+    jax.block_until_ready(batch)
+    phases["time_prepare"] = time.perf_counter() - t1
   tokens, mask = sharding.to_host(rollout.tokens_BxGxT), sharding.to_host(rollout.mask_BxGxT)
-  time_sample = time.perf_counter() - t0
+  time_sample = phases.get("time_sample", time.perf_counter() - t0)
   t0 = time.perf_counter()
   b, G, T = tokens.shape
   texts = text.decode_completions(tok, tokens.reshape(b * G, T), mask.reshape(b * G, T))
@@ -73,7 +86,7 @@ def rollout_step(run, params, key, step: int, ref_params=None, log=print) -> Rol
   all_rewards, all_correct = sharding.gather_rows(rewards), sharding.gather_rows(correct)
   stats = {"reward_mean": all_rewards.mean(), "reward_std": all_rewards.std(),
            "accuracy": all_correct.mean(), "time_sample": time_sample,
-           "time_score": time.perf_counter() - t0}
+           "time_score": time.perf_counter() - t0, **phases}
   stats.update({k: sharding.gather_rows(v).mean() for k, v in parts.items()})
   position = run.task.position(step, B)
   if position is not None:

@@ -65,7 +65,8 @@ REFUSED: dict[str, str] = {
 EXECUTION = tuple(f"model.{name}" for name in EXECUTION_FIELDS)
 # Changes that are safe: they change neither the state nor what a step means (the three
 # task.data fields only report or score, under the refused "task").
-SAFE = ("iterations", "eval_every", "eval_size", "sft", "mesh", "task.data.slow_reward_s",
+SAFE = ("iterations", "eval_every", "eval_size", "sft", "mesh", "profile_phases",
+        "task.data.slow_reward_s",
         "task.data.correct_threshold", "task.data.answer_field")
 
 

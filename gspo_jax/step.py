@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from gspo_jax import dynamic_sampling, lengths, lora, losses, rng, sharding
+from gspo_jax import dynamic_sampling, lengths, lora, losses, rng, row_skip, sharding
 from gspo_jax.advantages import group_advantages, turn_advantages
 from gspo_jax.optim import current_lr
 from gspo_jax.rollout_correction import (RolloutCorrectionConfig, off_policy_sequence_mask,
@@ -68,6 +68,7 @@ class StepConfig:
   keep_groups: int = 0
   turn_credit: bool = False         # multi-turn: per-turn rewards -> per-token advantages
   length_clip_metrics: bool = False  # clip fractions per length quartile
+  row_skip: row_skip.RowSkip | None = None  # backward over live rows only (`gspo_jax.row_skip`)
 
 
 @flax.struct.dataclass
@@ -176,10 +177,10 @@ def _rollout_replay_old(params, graphdef, rows: Batch, rollout: Rollout, cfg: St
   return policy_logprobs(params, graphdef, rows, cfg, replay=rollout.experts)[0]
 
 
-def minibatch_loss(params, graphdef, mb: Minibatch, cfg: StepConfig):
+def minibatch_loss(params, graphdef, mb: Minibatch, cfg: StepConfig, forward=None):
   """`cfg.loss` (+ kl.coef * KL when the minibatch carries pi_ref's log-probs) on one
   minibatch, and with `cfg.length_clip_metrics` its clip fractions per length quartile
-  (`lengths.clip_by_length`, no gradient).
+  (`lengths.clip_by_length`, no gradient). `forward`: pi_theta's (logp, router), if run.
 
   Token weights (the minibatch's rollout-correction weights, times DeepSeek-V3.2's
   off-policy sequence mask of pi_theta against the sampler with
@@ -189,7 +190,7 @@ def minibatch_loss(params, graphdef, mb: Minibatch, cfg: StepConfig):
   if rows.ref_logp_BxGxT is not None and cfg.kl is None:
     raise ValueError("the minibatch carries pi_ref's log-probs but StepConfig.kl is None")
   replay = rows.old_experts if cfg.routing in ("replay", "rollout_replay") else None
-  logp, router = policy_logprobs(params, graphdef, rows, cfg, replay=replay)
+  logp, router = forward or policy_logprobs(params, graphdef, rows, cfg, replay=replay)
   flat = lambda x: x.reshape(-1, x.shape[-1])
   mask = flat(rows.mask_BxGxT)
   adv = mb.adv_bxg.reshape(mask.shape if mb.adv_bxg.ndim == 3 else (-1,))
@@ -261,7 +262,9 @@ def apply_step(state_parts, mb: Minibatch, *, graphdef, tx, cfg: StepConfig):
   masked out by `truncation="mask"`: an optax step on a zero gradient would still move the
   parameters by AdamW's momentum, which dropping those rows would not)."""
   params, opt_state = state_parts
-  (_, metrics), grads = jax.value_and_grad(minibatch_loss, has_aux=True)(params, graphdef, mb, cfg)
+  grad_fn = jax.value_and_grad(minibatch_loss, has_aux=True) if cfg.row_skip is None else \
+      lambda *a: row_skip.value_and_grad(minibatch_loss, policy_logprobs, ROW_LAYOUT, *a)
+  (_, metrics), grads = grad_fn(params, graphdef, mb, cfg)
   grad_norm = optax.tree.norm(grads)
   ok = jnp.isfinite(grad_norm) & jnp.isfinite(metrics["loss"])
   if cfg.truncation == "mask":

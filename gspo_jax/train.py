@@ -9,8 +9,9 @@ One iteration (each device phase one compiled program, `gspo_jax.programs`):
   update   advantages from the rewards, then one optax step per minibatch (`step.update`)
 
 The loop keeps the step counter on the host and fetches each iteration's metrics one
-iteration late, so the host never waits for an update it does not need yet: the next
-rollout's sampler is queued behind it. The module map is in README.md.
+iteration late, so the host waits for an update only where the next rollout's sampler
+needs its parameters (which also keeps the update's tail out of `time_sample`). With
+`profile_phases` it waits for every phase, each timed alone. The module map is in README.md.
 
 SIGTERM (preemption) and Ctrl-C save a checkpoint at the next iteration boundary and exit
 with 128 + the signal number, printing the command that resumes; the run directory's
@@ -21,6 +22,7 @@ tried and what each keeps in docs/training.md.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shlex
 import signal
@@ -32,11 +34,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from gspo_jax import checkpoint, coldstart, configlib, evaluate, lora_run, metrics, rundir
+from gspo_jax import (checkpoint, coldstart, configlib, evaluate, lora_run, metrics, row_skip,
+                      rundir)
 from gspo_jax.config import TrainConfig
 from gspo_jax.run import Run, heldout, reference_params, setup
 
-SHOW = ("reward_mean", "accuracy", "clip_frac_token", "heldout_accuracy")
+SHOW = ("reward_mean", "accuracy", "clip_frac_token", "heldout_accuracy", "sample_tokens_per_s")
 
 
 def _log(*args):
@@ -66,11 +69,16 @@ def iterate(run: Run, start: int, stop: int, *, ref_params=None, on_metrics=None
   step = start
   for it in range(start, stop):
     r = run.rollout.collect(run, run.state.params, run.state.key, it, ref_params, log=_log)
+    t_update = time.perf_counter()
     run.state, update_metrics = run.programs.update(run.state, r.batch, r.rewards_BxG)
+    phases = {}
+    if run.cfg.profile_phases:  # the update alone (the host then waits for it)
+      jax.block_until_ready(run.state)
+      phases["time_update"] = time.perf_counter() - t_update
     if pending is not None and on_metrics is not None:
       on_metrics(*_fetch(*pending))
     now = time.perf_counter()
-    host = {**r.stats, "time_iteration": now - last}
+    host = {**r.stats, **phases, "time_iteration": now - last}
     last = now
     step, stopping = it + 1, False
     try:
@@ -88,6 +96,8 @@ def iterate(run: Run, start: int, stop: int, *, ref_params=None, on_metrics=None
 def _fetch(step: int, update_metrics, device_stats, host):
   m = {**jax.device_get(update_metrics), **jax.device_get(device_stats), **host}
   m["tokens_per_s"] = float(m["response_tokens"]) / max(m["time_iteration"], 1e-9)
+  if "time_sample" in m:  # the sampler's own rate (time_sample excludes the update's tail)
+    m["sample_tokens_per_s"] = float(m["response_tokens"]) / max(m["time_sample"], 1e-9)
   return step, m
 
 
@@ -218,6 +228,8 @@ def train(cfg: TrainConfig, run_dir: str, *, resume: bool = False, checkpoint_ev
     if position is not None:
       _log(f"data position at step {start}: epoch {position[0]}, index {position[1]} of "
            f"{len(run.task.train_records)} training records")
+    if cfg.row_skip.enabled:
+      _log(row_skip.note(cfg.loss.name))
     first = run.task.train_batch(cfg.seed, start, cfg.rollout.sampled_prompts)[0]
     _log(f"first prompt as the model sees it: {first.prompt!r}")
     summary: dict[str, Any] = {"heldout_accuracy_start": evaluate_now()}
@@ -306,6 +318,10 @@ def main(argv=None):
   parser.add_argument("--keep-checkpoints", type=int, default=3,
                       help="newest checkpoints kept (>= 1)")
   parser.add_argument("--no-progress", action="store_true")
+  parser.add_argument("--profile-phases", action="store_true",
+                      help="time each phase alone (time_sample, time_prepare, time_score, "
+                      "time_update): the host waits for each, so phases stop overlapping; "
+                      "same as --set profile_phases=true")
   dist = parser.add_argument_group("multi-host (see docs/sharding_and_tpu.md)")
   dist.add_argument("--distributed", action="store_true",
                     help="jax.distributed.initialize() with auto-detection (Cloud TPU pods)")
@@ -318,6 +334,8 @@ def main(argv=None):
   try:
     check_checkpoint_args(args.checkpoint_every, args.keep_checkpoints)
     cfg = configlib.config_from_args(args, TrainConfig)
+    if args.profile_phases:
+      cfg = dataclasses.replace(cfg, profile_phases=True)
   except ValueError as e:
     raise SystemExit(f"config error: {e}") from None
   init_distributed(args)

@@ -113,3 +113,32 @@ def test_record_writes_the_committed_results():
   args = argparse.Namespace(out=None, record=True)
   assert _results.out_path(args, "gspo_vs_grpo_long") == os.path.join(committed,
                                                                        "gspo_vs_grpo_long")
+
+
+TINY_UPDATE = ["--vocab", "64", "--hidden", "32", "--layers", "1", "--heads", "2",
+               "--kv-heads", "1", "--head-dim", "16", "--mlp", "64", "--prompts", "4",
+               "--group", "4", "--prompt-len", "4", "--new-tokens", "8", "--minibatches", "2",
+               "--repeats", "1"]
+
+
+def test_row_skip_timing_runs(tmp_path):
+  """Both updates run on the same rows: the same loss and gradient norm, and with half the
+  groups degenerate the skip leaves rows out of the backward pass."""
+  from experiments import row_skip_timing
+  out = tmp_path / "row_skip.json"
+  row_skip_timing.main([*TINY_UPDATE, "--degenerate", "0.5", "--out", str(out)])
+  (r,) = json.load(open(out))["results"]
+  assert r["row_skip_saved_frac"] > 0 and r["row_skip_dead_frac"] >= 0.5
+  assert abs(r["loss"][0] - r["loss"][1]) <= 1e-6 + 1e-5 * abs(r["loss"][0])
+  assert abs(r["grad_norm"][0] - r["grad_norm"][1]) <= 1e-5 * r["grad_norm"][0]
+  assert set(r["median_s"]) == {"full", "skip"} and r["paired_cpu_speedup"] > 0
+
+
+def test_update_breakdown_runs(tmp_path):
+  from experiments import update_breakdown
+  out = tmp_path / "breakdown.json"
+  update_breakdown.main([*TINY_UPDATE, "--out", str(out)])
+  parts = json.load(open(out))["results"]["8"]
+  assert set(parts) == {"forward", "loss_grad", "optimizer", "update", "loss_grad_1"}
+  assert all(p["wall_s"] > 0 for p in parts.values())
+  assert parts["update"]["gflop"] == 2 * parts["loss_grad"]["gflop"]   # two minibatches

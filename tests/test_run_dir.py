@@ -90,7 +90,7 @@ def records(run_dir):
   """metrics.jsonl: every line parses; the timings (which differ run to run) removed."""
   lines = pathlib.Path(run_dir, "metrics.jsonl").read_text().splitlines()
   return [{k: v for k, v in json.loads(l).items()
-           if not k.startswith("time_") and k != "tokens_per_s"} for l in lines]
+           if not k.startswith("time_") and not k.endswith("tokens_per_s")} for l in lines]
 
 
 def checksums(run_dir):

@@ -71,6 +71,7 @@ SHARED = "tests/test_shared_prefix.py::"
 TRAIN = "tests/test_train.py::"
 STEP = "tests/test_step.py::"
 BOUNDS = "tests/test_boundaries.py::"
+RSKIP = "tests/test_row_skip.py::"
 
 MUTANTS: list[Mutant] = [
     # -- rng ------------------------------------------------------------------------------
@@ -243,6 +244,30 @@ MUTANTS: list[Mutant] = [
       "return -jnp.sum(logp_Bx1xT[:, 0] * mask_BxT)", "return jnp.sum(logp_Bx1xT[:, 0] * mask_BxT)",
       STEP + "test_a_cold_start_step_raises_the_demonstrations_likelihood",
       "the cold start lowers the demonstrations' likelihood"),
+    # -- row skip: a row with a gradient must never leave the backward pass ---------------
+    M("row_skip_all_tokens_live", "gspo_jax/row_skip.py",
+      "return jnp.any(live_RxT, axis=-1)", "return jnp.all(live_RxT, axis=-1)",
+      [RSKIP + "test_no_row_with_a_gradient_is_called_dead",
+       RSKIP + "test_the_skipping_update_equals_the_full_update"],
+      "a row with some clipped tokens (GRPO) is skipped though the others have a gradient"),
+    M("row_skip_positive_advantage_only", "gspo_jax/row_skip.py",
+      "return m_RxT & (adv_RxT != 0) & ~(s.clipped_low | s.clipped_high)",
+      "return m_RxT & (adv_RxT > 0) & ~(s.clipped_low | s.clipped_high)",
+      [RSKIP + "test_no_row_with_a_gradient_is_called_dead",
+       RSKIP + "test_the_skipping_update_equals_the_full_update"],
+      "rows with a negative advantage are skipped"),
+    M("row_skip_dead_rows_first", "gspo_jax/row_skip.py",
+      "order_U = jnp.argsort(~live_U, stable=True)", "order_U = jnp.argsort(live_U, stable=True)",
+      RSKIP + "test_the_skipping_update_equals_the_full_update",
+      "the bucket takes the dead rows first, live ones fall out of the backward pass"),
+    M("row_skip_no_rescale", "gspo_jax/row_skip.py",
+      "aggregation, w) / d_full", "aggregation, w)",
+      RSKIP + "test_the_skipping_update_equals_the_full_update",
+      "the bucket's loss keeps its own denominator (dead rows no longer count)"),
+    M("time_sample_with_update_tail", "gspo_jax/rollout.py",
+      "jax.block_until_ready(params)", "params",
+      "tests/test_phase_times.py::test_time_sample_leaves_out_the_previous_updates_tail",
+      "time_sample (and sample_tokens_per_s) include the previous update's tail"),
     # -- losses ---------------------------------------------------------------------------
     M("seq_ratio_not_length_normalised", "gspo_jax/loss_blocks.py",
       "return jnp.sum(l_BxT, axis=-1) / jnp.maximum(n_B, 1)", "return jnp.sum(l_BxT, axis=-1)",

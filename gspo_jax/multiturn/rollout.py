@@ -64,6 +64,7 @@ def episode_rollout_step(run, params, key, step: int, ref_params=None, log=print
   examples = run.task.train_batch(cfg.seed, step, B)
   prompts_l, lens_l = run.encode_prompts([e.prompt for e in examples])
   prompts, lens = sharding.feed(prompts_l, mesh, B), sharding.feed(lens_l, mesh, B)
+  jax.block_until_ready(params)  # the previous update's tail stays out of time_sample
   t0 = time.perf_counter()
   got = sample_episodes(run, run.rollout.programs, params, prompts, lens,
                         rng.device_key(key, step, "sample"), examples)
