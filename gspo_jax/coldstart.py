@@ -1,7 +1,7 @@
 """Cold start: a short supervised stage on task demonstrations before RL (the paper starts
 RL from a cold-start fine-tuned model).
 
-The loss (`step.sft_loss`) is the negative mean log-likelihood of the demonstration tokens
+The loss (`sft_loss`) is the negative mean log-likelihood of the demonstration tokens
 (+ EOS) given the prompt, by the same teacher forcing as the RL update; the step is the
 run's `programs.sft` (params and optimiser state donated). `run` is a `gspo_jax.run.Run`
 (unannotated: this phase imports nothing of the run setup).
@@ -13,8 +13,25 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import optax
 
-from gspo_jax import rng, sharding
+from gspo_jax import lora, rng, sharding
+from gspo_jax.teacher_forcing import response_logprobs
+
+
+def sft_loss(params, graphdef, prompts_BxP, lens_B, tokens_BxT, mask_BxT):
+  """Negative mean log-likelihood of the demonstration tokens (+ EOS) given the prompt, by
+  the same teacher forcing as the RL update (temperature 1)."""
+  model = lora.model_of(graphdef, params)
+  logp_Bx1xT, _ = response_logprobs(model, prompts_BxP, lens_B, tokens_BxT[:, None])
+  return -jnp.sum(logp_Bx1xT[:, 0] * mask_BxT) / jnp.maximum(jnp.sum(mask_BxT), 1)
+
+
+def sft_step(params, opt_state, batch, *, graphdef, tx):
+  """One cold-start step on a (prompts_BxP, lens_B, tokens_BxT, mask_BxT) batch."""
+  loss, grads = jax.value_and_grad(sft_loss)(params, graphdef, *batch)
+  updates, opt_state = tx.update(grads, opt_state, params)
+  return optax.apply_updates(params, updates), opt_state, loss
 
 
 def supervised_batch(run, examples):

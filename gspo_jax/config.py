@@ -262,6 +262,10 @@ class TrainConfig:
   # time_sample, time_prepare and time_update exclude each other (the phases then no longer
   # overlap with the host's scoring and bookkeeping). Off: only time_sample, the sampler's own.
   profile_phases: bool = False
+  # Compute prepare's log-probs (pi_old, pi_ref) for this many groups of prompts one after
+  # another: a chunks-th of its activations alive at once (the largest program of long
+  # runs, `python -m gspo_jax.plan`); the same log-probs up to float rounding.
+  prepare_chunks: int = 1
 
   iterations: int = 50
   eval_every: int = 10
@@ -305,6 +309,14 @@ class TrainConfig:
                        f"({self.num_minibatches}) must divide rollout.prompts_per_iter "
                        f"({self.rollout.prompts_per_iter})")
     self.task.check_widths(self.rollout.max_new_tokens, self.rollout.max_prompt_len)
+    if not (isinstance(self.prepare_chunks, int) and self.prepare_chunks >= 1
+            and self.rollout.sampled_prompts % self.prepare_chunks == 0):
+      raise ValueError(f"prepare_chunks = {self.prepare_chunks!r} must be a positive int that "
+                       "divides the prompts sampled per iteration "
+                       f"({self.rollout.sampled_prompts})")
+    if self.prepare_chunks > 1 and (self.routing != "free" or self.multiturn.env):
+      raise ValueError("prepare_chunks > 1 needs routing='free' (expert choices are recorded "
+                       "in one pass) and a single-turn task; set prepare_chunks=1")
     check_multiturn(self)
     if self.row_skip.enabled:
       bad = refusals(kl_coef=self.loss.kl_coef,

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from gspo_jax import losses, optim, rng, row_skip, sampling, sharding, step
+from gspo_jax import coldstart, losses, optim, rng, row_skip, sampling, sharding, step
 from gspo_jax.config import TrainConfig
 from gspo_jax.models.config import ModelConfig
 from gspo_jax.sampling import SamplerConfig
@@ -84,6 +84,7 @@ def step_config(cfg: TrainConfig) -> step.StepConfig:
       overlong_cache=cfg.overlong_cache, correction=cfg.rollout_correction,
       keep_groups=cfg.rollout.prompts_per_iter if cfg.rollout.oversample else 0,
       turn_credit=cfg.multiturn.turn_credit, length_clip_metrics=cfg.length_clip_metrics,
+      prepare_chunks=cfg.prepare_chunks,
       row_skip=row_skip.RowSkip(lc.name, tuple(sorted(lc.kwargs().items())),
                                 cfg.row_skip.buckets) if cfg.row_skip.enabled else None)
 
@@ -214,7 +215,8 @@ def make_programs(graphdef, tx, cfg: TrainConfig, layout: Layout, tok) -> Progra
       greedy=sampler(greedy_cfg, outs=rollout_sh.replace(experts=None)),
       # Training and teacher forcing are traced on the mesh (`sharding.on_mesh`): the
       # model keeps their activations split by rows there.
-      sft=jax.jit(on_mesh(functools.partial(step.sft_step, graphdef=graphdef, tx=sft_tx)),
+      sft=jax.jit(on_mesh(functools.partial(coldstart.sft_step, graphdef=graphdef,
+                                            tx=sft_tx)),
                   in_shardings=(ps, sft_os, sft_batch), out_shardings=(ps, sft_os, rep),
                   donate_argnums=(0, 1)),
       sft_init=jax.jit(sft_tx.init, in_shardings=(ps,), out_shardings=sft_os),

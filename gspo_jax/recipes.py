@@ -5,7 +5,8 @@
 Each `configs/qwen3_*_math.py` is `recipe(size)`: the checkpoint directory
 `models/qwen3-<size>` (Hugging Face layout; `pretrained`), G = 16 responses per prompt,
 prompts of up to 512 tokens, up to 2,048 new tokens, the paper's clip range, 4 minibatches
-per rollout, scanned layers with full remat, float32 master weights with bfloat16 compute.
+per rollout, prepare in 4 chunks of prompts, scanned layers with full remat, float32
+master weights with bfloat16 compute.
 The mesh and the batch are the planned ones for the slice named in `SLICES`.
 
 The planner compiles shapes, not weights: plan a recipe before downloading anything with
@@ -51,12 +52,13 @@ def recipe(size: str, variant: str | None = None) -> TrainConfig:
                             max_prompt_len=512, temperature=1.0),
       optim=OptimConfig(learning_rate=1e-6, grad_clip=1.0),
       sft=SFTConfig(steps=0), loss=LossConfig(name="gspo"), mesh=mesh,
-      num_minibatches=4, iterations=200, eval_every=20, eval_size=256, seed=0)
+      num_minibatches=4, prepare_chunks=4, iterations=200, eval_every=20, eval_size=256,
+      seed=0)
   if variant == "smoke":  # the same job, tiny: 2 iterations of 2 x 4 rows and 8 problems
     return dataclasses.replace(
         cfg, rollout=dataclasses.replace(cfg.rollout, prompts_per_iter=2, group_size=4,
                                          max_new_tokens=64),
-        mesh=MeshConfig(), iterations=2, eval_every=0, eval_size=8)
+        mesh=MeshConfig(), prepare_chunks=2, iterations=2, eval_every=0, eval_size=8)
   if variant is not None:
     raise ValueError(f"unknown variant {variant!r} (this file has: smoke)")
   return cfg

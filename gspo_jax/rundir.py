@@ -65,7 +65,7 @@ REFUSED: dict[str, str] = {
 EXECUTION = tuple(f"model.{name}" for name in EXECUTION_FIELDS)
 # Changes that are safe: they change neither the state nor what a step means (the three
 # task.data fields only report or score, under the refused "task").
-SAFE = ("iterations", "eval_every", "eval_size", "sft", "mesh", "profile_phases",
+SAFE = ("iterations", "eval_every", "eval_size", "sft", "mesh", "profile_phases", "prepare_chunks",
         "task.data.slow_reward_s",
         "task.data.correct_threshold", "task.data.answer_field")
 

@@ -4,13 +4,12 @@ Shapes: the package legend (docs/shapes.md). A minibatch holds `b` prompts with 
 each: b = B / num_minibatches and g = G when `share_prompts` keeps groups whole, else
 b = B*G / num_minibatches single rows (g = 1) drawn from any group.
 
-The model is bound in here and nowhere else in the update path: `graphdef` (the model's
-structure) and `params` (an nnx.State of its nnx.Param variables; a LoRA run's adapters)
-are merged inside the traced functions (`lora.model_of`). `gspo_jax.programs` compiles
-these functions, each as one `jax.jit` with its shardings and donation, with a
-`StepConfig` it resolves once from the run's config (`programs.step_config`): this module
-reads no user config.
-Adding a batch field takes one declaration on `Batch` (docs/adding_a_feature.md).
+The model is bound in here and nowhere else in the update path: `graphdef` (its structure)
+and `params` (an nnx.State of its nnx.Param variables; a LoRA run's adapters) are merged
+inside the traced functions (`lora.model_of`). `gspo_jax.programs` compiles each as one
+`jax.jit` with its shardings and donation and a `StepConfig` resolved once from the run's
+config (`programs.step_config`): this module reads no user config. Adding a batch field
+takes one declaration on `Batch` (docs/adding_a_feature.md).
 """
 
 from __future__ import annotations
@@ -69,6 +68,7 @@ class StepConfig:
   turn_credit: bool = False         # multi-turn: per-turn rewards -> per-token advantages
   length_clip_metrics: bool = False  # clip fractions per length quartile
   row_skip: row_skip.RowSkip | None = None  # backward over live rows only (`gspo_jax.row_skip`)
+  prepare_chunks: int = 1           # prepare's teacher forcing in this many groups of prompts
 
 
 @flax.struct.dataclass
@@ -116,35 +116,20 @@ class Minibatch:
   token_weights_bxgxT: Array | None = None
 
 
-def sft_loss(params, graphdef, prompts_BxP, lens_B, tokens_BxT, mask_BxT):
-  """Negative mean log-likelihood of the demonstration tokens (+ EOS) given the prompt, by
-  the same teacher forcing as the RL update (temperature 1)."""
-  model = lora.model_of(graphdef, params)
-  logp_Bx1xT, _ = response_logprobs(model, prompts_BxP, lens_B, tokens_BxT[:, None])
-  return -jnp.sum(logp_Bx1xT[:, 0] * mask_BxT) / jnp.maximum(jnp.sum(mask_BxT), 1)
-
-
-def sft_step(params, opt_state, batch, *, graphdef, tx):
-  """One cold-start step on a (prompts_BxP, lens_B, tokens_BxT, mask_BxT) batch."""
-  loss, grads = jax.value_and_grad(sft_loss)(params, graphdef, *batch)
-  updates, opt_state = tx.update(grads, opt_state, params)
-  return optax.apply_updates(params, updates), opt_state, loss
-
-
-def policy_logprobs(params, graphdef, rows: Batch, cfg: StepConfig, *, replay=None):
-  """Teacher-forced log-probs (b, g, T) of `rows` under `params`, and the RouterInfo."""
+def policy_logprobs(params, graphdef, rows: Batch, cfg: StepConfig, *, replay=None, chunks=1):
+  """Teacher-forced log-probs (b, g, T) of `rows` and the RouterInfo (None when chunked)."""
   model = lora.model_of(graphdef, params)
   return response_logprobs(model, rows.prompts_BxP, rows.prompt_lens_B, rows.tokens_BxGxT,
                            temperature=cfg.temperature, replay=replay,
-                           share_prompts=cfg.share_prompts)
+                           share_prompts=cfg.share_prompts, chunks=chunks)
 
 
 def prepare(params, ref_params, rollout: Rollout, prompts_BxP, lens_B, *, graphdef,
             cfg: StepConfig) -> Batch:
-  """pi_old (recomputed, or the sampler's with `old_logp="sampler"`), pi_ref (when
-  ref_params is given) and, when `cfg.routing` is not "free", pi_old's expert choices
-  (from the teacher-forced pass: what the trainer's pi_old routes, also when its log-probs
-  are the sampler's); with "rollout_replay" (R3) the *sampler's* recorded choices
+  """pi_old (recomputed, or the sampler's with `old_logp="sampler"`), pi_ref (when ref_params
+  is given; both in `cfg.prepare_chunks` groups of prompts) and, when `cfg.routing` is not
+  "free", pi_old's expert choices (from the teacher-forced pass, also when its log-probs are
+  the sampler's); with "rollout_replay" (R3) the *sampler's* recorded choices
   (`Rollout.experts`), which pi_old's forward replays too. pi_ref routes freely.
 
   `truncation="mask"` zeroes the mask of truncated rows here, where the sampler's
@@ -156,14 +141,15 @@ def prepare(params, ref_params, rollout: Rollout, prompts_BxP, lens_B, *, graphd
   if cfg.truncation == "mask":
     mask = jnp.where(rollout.truncated_BxG[..., None], jnp.zeros((), mask.dtype), mask)
   rows = Batch(prompts_BxP, lens_B, rollout.tokens_BxGxT, mask, rollout.logp_BxGxT)
-  old, experts = rollout.logp_BxGxT, None
+  old, experts, chunks = rollout.logp_BxGxT, None, cfg.prepare_chunks
   if cfg.routing == "rollout_replay":  # R3: pi_old routes as the sampler did
     old, experts = _rollout_replay_old(params, graphdef, rows, rollout, cfg), rollout.experts
   elif cfg.old_logp == "recompute" or cfg.routing != "free":
-    recomputed, router = policy_logprobs(params, graphdef, rows, cfg)
+    recomputed, router = policy_logprobs(params, graphdef, rows, cfg, chunks=chunks)
     old = recomputed if cfg.old_logp == "recompute" else old
     experts = None if cfg.routing == "free" else router.indices
-  ref = None if ref_params is None else policy_logprobs(ref_params, graphdef, rows, cfg)[0]
+  ref = None if ref_params is None else policy_logprobs(ref_params, graphdef, rows, cfg,
+                                                        chunks=chunks)[0]
   sampler = rollout.logp_BxGxT * mask if cfg.correction.needs_sampler_logp else None
   return rows.replace(old_logp_BxGxT=old * mask, ref_logp_BxGxT=ref, old_experts=experts,
                       sampler_logp_BxGxT=sampler)

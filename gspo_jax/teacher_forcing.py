@@ -42,7 +42,7 @@ def prompt_forward(model: Transformer, prompts_BxP: Array, prompt_lens_B: Array,
 def response_logprobs(model: Transformer, prompts_BxP: Array, prompt_lens_B: Array,
                       tokens_BxGxT: Array, *, temperature: float = 1.0,
                       replay: tuple[Array, ...] | None = None, share_prompts: bool = True,
-                      chunk_size: int = 128):
+                      chunk_size: int = 128, chunks: int = 1):
   """Teacher-forced log-probs of responses (what the trainer computes for pi_theta / pi_old).
 
   Each of the B*G rows is [prompt (right-padded to P), response (T)] with prompt positions
@@ -58,12 +58,21 @@ def response_logprobs(model: Transformer, prompts_BxP: Array, prompt_lens_B: Arr
   replay: per MoE layer (B*G, P+T, K) expert indices (Routing Replay); with shared prompts
   the prompt part is taken from each group's first row (a prompt routes the same in every
   row).
+  chunks: > 1 computes the B prompts in this many groups one after another
+  (`chunked_logprobs`: the same log-probs, a chunks-th of the activations alive; no replay,
+  and no RouterInfo: None is returned in its place).
   Returns:
     (logp_BxGxT float32, RouterInfo: expert indices per MoE layer (B*G, P+T, K); its aux_loss
     counts each prompt once when G > 1).
   """
   B, P = prompts_BxP.shape
   _, G, T = tokens_BxGxT.shape
+  if chunks > 1:
+    if replay is not None:
+      raise ValueError("response_logprobs: chunks > 1 cannot replay expert choices")
+    return chunked_logprobs(model, prompts_BxP, prompt_lens_B, tokens_BxGxT, chunks=chunks,
+                            temperature=temperature, share_prompts=share_prompts,
+                            chunk_size=chunk_size), None
   if G > 1 and share_prompts:
     return _shared_prefix_logprobs(model, prompts_BxP, prompt_lens_B, tokens_BxGxT,
                                    temperature=temperature, replay=replay, chunk_size=chunk_size)
@@ -98,6 +107,28 @@ def _logprobs(model: Transformer, h_RxTxD: Array, tokens_RxT: Array, temperature
                             chunk_size=chunk_size)
   return jax.shard_map(local, in_specs=(P(rows), P(None, vocab), P(rows)),
                        out_specs=P(rows))(h_RxTxD, model.unembed_DxV(gather=True), tokens_RxT)
+
+
+def chunked_logprobs(model: Transformer, prompts_BxP: Array, prompt_lens_B: Array,
+                     tokens_BxGxT: Array, *, chunks: int, **kwargs) -> Array:
+  """`response_logprobs`' log-probs (b, g, T), computed for `chunks` groups of B/chunks
+  prompts one after another (`lax.map`): the same values with a `chunks`-th of the
+  activations alive at once (what bounds `prepare`'s memory). Chunk c holds prompts c,
+  c + chunks, c + 2*chunks, ...; on a program's mesh each chunk's rows are split over the
+  batch axes, so every device works on every chunk. No router statistics."""
+  B = prompts_BxP.shape[0]
+  if B % chunks:
+    raise ValueError(f"chunked_logprobs: {chunks} chunks do not divide the {B} prompts")
+
+  def split(x):  # (B, ...) -> (chunks, B / chunks, ...), interleaved
+    y = jnp.swapaxes(x.reshape(B // chunks, chunks, *x.shape[1:]), 0, 1)
+    return sharding.constrain(y, (None, "batch") + (None,) * (x.ndim - 1))
+
+  def one(args):
+    return response_logprobs(model, *args, **kwargs)[0]
+
+  out = jax.lax.map(one, (split(prompts_BxP), split(prompt_lens_B), split(tokens_BxGxT)))
+  return jnp.swapaxes(out, 0, 1).reshape(B, *out.shape[2:])
 
 
 def _shared_prefix_logprobs(model: Transformer, prompts_BxP, prompt_lens_B, tokens_BxGxT, *,

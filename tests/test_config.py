@@ -14,7 +14,7 @@ import pytest
 
 from gspo_jax import config, configlib, demo, losses, programs, sampling, train
 from gspo_jax.config import TrainConfig
-from gspo_jax.models.config import tiny
+from gspo_jax.models.config import tiny, tiny_moe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(f for f in os.listdir(os.path.join(ROOT, "configs")) if f.endswith(".py"))
@@ -183,3 +183,15 @@ def test_compact_rows_is_bounded_by_the_rollout_rows_on_both_sides():
                                        r"at most 5 halvings"):
     config.RolloutConfig(prompts_per_iter=8, group_size=4, compact_rows=6)
   config.RolloutConfig(prompts_per_iter=8, group_size=4, oversample=8, compact_rows=6)
+
+
+@pytest.mark.parametrize("sets,match", [
+    (dict(prepare_chunks=0), r"prepare_chunks = 0 must be a positive int that divides"),
+    (dict(prepare_chunks=3), r"prepare_chunks = 3 .* divides the prompts sampled per "
+                             r"iteration \(8\)"),
+    (dict(prepare_chunks=2, routing="track", model=tiny_moe()),
+     r"prepare_chunks > 1 needs routing='free'"),
+])
+def test_bad_prepare_chunks_are_named(sets, match):
+  with pytest.raises(ValueError, match=match):
+    TrainConfig(rollout=config.RolloutConfig(prompts_per_iter=8, group_size=2), **sets)

@@ -18,7 +18,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from gspo_jax import config as C
-from gspo_jax import losses, optim, sampling, sharding, step
+from gspo_jax import coldstart, losses, optim, sampling, sharding, step
 from gspo_jax.models import transformer
 from gspo_jax.models.config import tiny, tiny_moe
 from gspo_jax.programs import step_config
@@ -180,6 +180,27 @@ def test_pi_old_is_the_trainers_recomputation_or_the_samplers_as_configured(sett
   assert not np.allclose(trainer_logprobs(setting) * np.asarray(mask), sampler_logp)
 
 
+@pytest.mark.parametrize("share_prompts", [False, True])
+def test_prepare_in_chunks_of_prompts_gives_the_same_log_probs(setting, share_prompts):
+  """`prepare_chunks`: pi_old and pi_ref computed for one prompt at a time (2 chunks of 1)
+  equal the one-pass values (float rounding apart: the matmuls see other shapes)."""
+  graphdef, params, prompts, lens, tokens, mask = setting
+  rollout = sampler_rollout(tokens, mask)
+  ref = jax.tree.map(lambda x: x * 0.9, params)
+
+  def prepared(chunks):
+    cfg = step_config(train_cfg(prepare_chunks=chunks, share_prompts=share_prompts,
+                                loss=C.LossConfig(kl_coef=0.1)))
+    prepare = jax.jit(functools.partial(step.prepare, graphdef=graphdef, cfg=cfg))
+    batch = prepare(params, ref, rollout, prompts, lens)
+    return np.asarray(batch.old_logp_BxGxT), np.asarray(batch.ref_logp_BxGxT)
+
+  (old1, ref1), (old2, ref2) = prepared(1), prepared(2)
+  np.testing.assert_allclose(old2, old1, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(ref2, ref1, rtol=1e-5, atol=1e-6)
+  assert not np.allclose(ref1, old1)   # pi_ref is another policy: the test can tell them apart
+
+
 def test_tracked_routing_keeps_the_samplers_pi_old_when_configured(setting):
   """routing="track" needs the trainer's forward (for pi_old's expert choices) even when
   pi_old's log-probs are the sampler's: that forward's log-probs must not replace them."""
@@ -220,12 +241,12 @@ def test_a_cold_start_step_raises_the_demonstrations_likelihood(setting):
   tokens_BxT, mask_BxT = tokens[:, 0], mask[:, 0]
   want = -np.sum(trainer_logprobs(setting)[:, 0] * np.asarray(mask_BxT)) / np.sum(mask_BxT)
   batch = (prompts, lens, tokens_BxT, mask_BxT)
-  sft_loss = jax.jit(lambda p, *b: step.sft_loss(p, graphdef, *b))
+  sft_loss = jax.jit(lambda p, *b: coldstart.sft_loss(p, graphdef, *b))
   loss = sft_loss(params, *batch)
   np.testing.assert_allclose(loss, want, rtol=1e-5)
   assert loss > 0
   tx = optim.sft_optimizer(steps=10, learning_rate=1e-2)
-  sft = jax.jit(functools.partial(step.sft_step, graphdef=graphdef, tx=tx))
+  sft = jax.jit(functools.partial(coldstart.sft_step, graphdef=graphdef, tx=tx))
   p, o = params, tx.init(params)
   for _ in range(3):  # the schedule warms up from 0: the first step does not move
     p, o, _ = sft(p, o, batch)

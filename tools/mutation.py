@@ -240,7 +240,7 @@ MUTANTS: list[Mutant] = [
       "(perm[:, None] + jnp.arange(group)[None, :])",
       SHARED + "test_minibatch_order_keeps_groups_whole",
       "the group-keeping order overlaps groups"),
-    M("sft_loss_sign", "gspo_jax/step.py",
+    M("sft_loss_sign", "gspo_jax/coldstart.py",
       "return -jnp.sum(logp_Bx1xT[:, 0] * mask_BxT)", "return jnp.sum(logp_Bx1xT[:, 0] * mask_BxT)",
       STEP + "test_a_cold_start_step_raises_the_demonstrations_likelihood",
       "the cold start lowers the demonstrations' likelihood"),
