@@ -53,7 +53,7 @@ import jax.numpy as jnp  # noqa: E402
 from gspo_jax import configlib, optim, programs, sharding  # noqa: E402
 from gspo_jax.plan_cost import CHIPS, Chip  # noqa: E402
 from gspo_jax import plan_cost, plan_hlo  # noqa: E402
-from gspo_jax.plan_hlo import COLLECTIVES  # noqa: E402
+from gspo_jax.plan_report import format_report  # noqa: E402
 from gspo_jax.config import TrainConfig  # noqa: E402
 
 GIB = 2 ** 30
@@ -109,6 +109,14 @@ def _model_cfg(cfg: TrainConfig):
   return hf.model_config(cfg.pretrained, **pretrained_load_args(cfg))
 
 
+def _shapes(program, *args):
+  """`jax.eval_shape` of a program; a LoRA run's (`lora_run.Bound`) with its abstract base."""
+  base = getattr(program, "frozen", None)
+  if base is None:
+    return jax.eval_shape(program, *args)
+  return jax.eval_shape(program.jitted, base.layout.params, *args)
+
+
 def program_inputs(cfg: TrainConfig, layout, progs) -> dict[str, tuple]:
   """Abstract inputs of every program, in their shardings (the rollout's prompts, the
   evaluation's chunk of prompts, the cold start's batch)."""
@@ -119,11 +127,11 @@ def program_inputs(cfg: TrainConfig, layout, progs) -> dict[str, tuple]:
   Bs, P, T = r.sampled_prompts, r.max_prompt_len, r.max_new_tokens
   prompts, lens, step = rows((Bs, P), jnp.int32), rows((Bs,), jnp.int32), S((), jnp.int32,
                                                                              sharding=rep)
-  rollout, _ = jax.eval_shape(progs.sample, layout.params, prompts, lens, state.key, step)
+  rollout, _ = _shapes(progs.sample, layout.params, prompts, lens, state.key, step)
   rollout = sharding.abstract_rows(rollout, mesh)
-  ref = layout.params if cfg.loss.kl_coef else None
+  ref = layout.params if cfg.loss.kl_coef and not cfg.lora.rank else None  # LoRA: the base
   batch = sharding.abstract_rows(
-      jax.eval_shape(progs.prepare, layout.params, ref, rollout, prompts, lens), mesh)
+      _shapes(progs.prepare, layout.params, ref, rollout, prompts, lens), mesh)
   rewards = rows((Bs, r.group_size) if not cfg.multiturn.turn_credit
                  else (Bs, r.group_size, cfg.multiturn.max_turns), jnp.float32)
   ways = sharding.batch_ways(mesh)
@@ -165,9 +173,6 @@ def plan(cfg: TrainConfig, topology: str, only: tuple[str, ...] = ()) -> dict[st
   planned."""
   from flax import nnx
   from gspo_jax.models.transformer import Transformer
-  if cfg.lora.rank:  # refused before libtpu is asked for anything
-    raise PlanError("lora.rank > 0: the planner compiles a full run's programs; a LoRA run "
-                    "(adapters on a frozen base) is not planned yet")
   devices = topology_devices(topology)
   chip = plan_cost.local_chip(devices) if topology == LOCAL else CHIPS[topology.partition(":")[0]]
   try:
@@ -185,13 +190,18 @@ def plan(cfg: TrainConfig, topology: str, only: tuple[str, ...] = ()) -> dict[st
     layout = programs.make_layout(params, tx, mesh, sft_tx)
   except ValueError as e:  # a parameter axis the mesh does not divide, named by its field
     raise PlanError(str(e)) from None
-  progs = programs.make_programs(graphdef, tx, cfg, layout, _ShapeTokenizer(model_cfg.vocab_size))
+  tok = _ShapeTokenizer(model_cfg.vocab_size)
+  progs = programs.make_programs(graphdef, tx, cfg, layout, tok)
   count = sum(math.prod(x.shape) for x in jax.tree.leaves(layout.params))
   report: dict[str, Any] = {
       "topology": topology, "chips": len(devices), "mesh": dict(mesh.shape),
       "hbm_per_chip_gib": chip.hbm_gib / chip.devices_per_chip, "params": count,
       "param_bytes": _bytes(layout.params),
       "param_bytes_per_chip": _bytes(layout.params, per_chip=True), "programs": {}}
+  if cfg.lora.rank:  # adapters on a frozen base, as `run.setup` builds them (`lora_run`)
+    layout, progs = _lora(cfg, graphdef, params, tx, layout, progs, tok)
+    report.update(trained_params=sum(math.prod(x.shape) for x in jax.tree.leaves(layout.params)),
+                  trained_bytes_per_chip=_bytes(layout.params, per_chip=True))
   costs = (plan_cost.program_flops(cfg, model_cfg),
            plan_cost.program_hbm_bytes(cfg, model_cfg, dict(mesh.shape), count))
   # TPU executables compiled without a TPU client cannot be read back from JAX's persistent
@@ -228,6 +238,20 @@ def _oom_bytes(message: str) -> float | None:
 ITERATION = ("sample", "prepare", "update")
 
 
+def _lora(cfg: TrainConfig, graphdef, params, tx, full_layout, full_programs, tok):
+  """(the adapters' layout, a LoRA run's programs), abstract: the frozen base is the full
+  model's abstract parameters, passed to each program as its first argument."""
+  from gspo_jax import lora, lora_run
+  from gspo_jax.config import check_lora
+  try:
+    check_lora(cfg.lora, cfg.model)
+  except ValueError as e:
+    raise PlanError(str(e)) from None
+  frozen = lora_run.Frozen(full_layout.params, full_layout, cfg.lora.scale, full_programs)
+  layout = programs.make_layout(lora.adapter_shapes(params, cfg.lora), tx, full_layout.mesh)
+  return layout, lora_run.make_programs(graphdef, tx, cfg, layout, tok, frozen)
+
+
 def _compile_all(cfg: TrainConfig, layout, progs, chip: Chip, costs, only) -> dict[str, Any]:
   out = {}
   devices = len(layout.mesh.devices.flat)
@@ -256,59 +280,6 @@ def _compile_all(cfg: TrainConfig, layout, progs, chip: Chip, costs, only) -> di
     entry["compile_s"] = round(time.perf_counter() - t0, 2)
     out[name] = entry
   return out
-
-
-def _gib_text(gib: float) -> str:
-  return f"{gib:g} GiB" if gib else "unknown"
-
-
-def format_report(report: dict[str, Any]) -> str:
-  gib = lambda b: f"{b / GIB:8.3f}"
-  lines = [f"{report['topology']}: {report['chips']} chips, mesh {report['mesh']}, "
-           f"{_gib_text(report['hbm_per_chip_gib'])} HBM per chip; parameters "
-           f"{report['param_bytes'] / GIB:.3f} GiB, {report['param_bytes_per_chip'] / GIB:.3f} "
-           "GiB per chip",
-           f"{'program':8s} {'args':>8s} {'output':>8s} {'donated':>8s} {'temp':>8s} "
-           f"{'code':>8s} {'peak':>8s}  GiB per chip   compile  {'traffic':>8s}  "
-           "collectives (static count)"]
-  for name, p in report["programs"].items():
-    if "peak" not in p:
-      lines.append(f"{name:8s} does not fit: {p['error']}")
-      continue
-    coll = ", ".join(f"{k} {v}" for k, v in p["collectives"].items() if v) or "none"
-    moved = sum(v for k, v in p["collective_bytes"].items() if k in COLLECTIVES)
-    loops = p["collective_bytes"]["dynamic_loops"]
-    lines.append(f"{name:8s} {gib(p['argument'])} {gib(p['output'])} {gib(p['alias'])} "
-                 f"{gib(p['temp'])} {gib(p['code'])} {gib(p['peak'])}  "
-                 f"{'fits' if p['fits'] else 'DOES NOT FIT':12s}  {p['compile_s']:6.1f} s  "
-                 f"{gib(moved)}{'+' if loops else ' '} {coll}")
-  lines.append(f"{'program':8s} {'TFLOP':>9s} {'HBM GiB':>8s} {'ICI GiB':>8s} "
-               f"{'compute':>9s} {'HBM':>9s} {'ICI':>9s}  roofline per call (per chip)")
-  ms = lambda s: f"{s * 1e3:7.1f}ms"
-  for name, p in report["programs"].items():
-    if "time_s" in p:
-      lines.append(f"{name:8s} {p['flops'] / 1e12:9.2f} {gib(p['hbm_bytes'])} "
-                   f"{gib(p['collective_bytes']['wire'])} {ms(p['compute_s'])} "
-                   f"{ms(p['hbm_s'])} {ms(p['ici_s'])}  {p['bound']} binds")
-  if "iteration_s" in report:
-    lines.append(f"iteration (sample + prepare + update) at the roofline: "
-                 f"{report['iteration_s']:.3f} s")
-  lines.append("largest collectives (GiB per chip, times run):")
-  for name, p in report["programs"].items():
-    big = p.get("collective_bytes", {}).get("largest", [])
-    if big:
-      lines.append(f"  {name:8s} " + "; ".join(
-          f"{o['kind']} {o['shape']} x{o['times']} = {o['bytes'] / GIB:.2f}" for o in big))
-  worst = [n for n, p in report["programs"].items() if not p["fits"]]
-  lines.append("traffic: GiB per chip of collective results, each weighted by the trip counts "
-               "of its loops ('+': a loop with an early exit, the decode loop, counted once); "
-               "ICI: bytes sent per chip (ring estimates); TFLOP: all chips; HBM: weights, "
-               "optimiser state and KV cache (activations not counted); decode counted to "
-               "max_new_tokens")
-  lines.append("verdict: every program fits" if not worst else
-               f"verdict: does not fit ({', '.join(worst)} over "
-               f"{report['hbm_per_chip_gib']:g} GiB per chip)")
-  return "\n".join(lines)
 
 
 def mesh_choices(chips: int) -> list[tuple[int, int, int]]:

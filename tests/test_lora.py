@@ -434,7 +434,17 @@ def test_bad_setting_on_the_command_line_writes_nothing(tmp_path, capsys):
   assert not run_dir.exists()
 
 
-def test_the_tpu_planner_refuses_a_lora_run_by_name():
+def test_the_planner_plans_a_lora_run_with_adapters_as_the_trained_state():
+  """`python -m gspo_jax.plan` on a LoRA config: the programs take the frozen base as their
+  first argument and train the adapters (here on this process's device: `local`); the
+  update's arguments and outputs shrink to the adapters' state, the base is read, not
+  donated."""
   from gspo_jax import plan
-  with pytest.raises(plan.PlanError, match="lora.rank > 0"):
-    plan.plan(lora_cfg(), "v5e:2x2")
+  only = ("sample", "prepare", "update")
+  full = plan.plan(tiny_cfg(sft=C.SFTConfig(steps=0), loss=C.LossConfig(kl_coef=0.1)),
+                   "local", only)
+  lo = plan.plan(lora_cfg(loss=C.LossConfig(kl_coef=0.1)), "local", only)
+  assert set(lo["programs"]) == set(only) and lo["params"] == full["params"]
+  assert 0 < lo["trained_params"] < full["params"] / 2
+  up, full_up = lo["programs"]["update"], full["programs"]["update"]
+  assert up["output"] < full_up["output"] and 0 < up["alias"] < full_up["alias"]
