@@ -6,6 +6,7 @@ which git ignores, so running a script to try it never dirties the checkout."""
 
 from __future__ import annotations
 
+import json
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -28,3 +29,13 @@ def results_dir(record: bool) -> str:
 def out_path(args, *parts: str) -> str:
   """`args.out` where given, else `parts` joined under `results_dir(args.record)`."""
   return args.out or os.path.join(results_dir(args.record), *parts)
+
+
+def write_record(args, name: str, record: dict) -> str:
+  """`record` as JSON at `out_path(args, name)` (its folder made); prints and returns the path."""
+  path = out_path(args, name)
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, "w") as f:
+    json.dump(record, f, indent=2)
+  print("wrote", path)
+  return path

@@ -58,7 +58,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.metadata
-import json
 import os
 import statistics
 import sys
@@ -562,11 +561,7 @@ def main(argv=None):
   record["seconds"] = time.perf_counter() - t0
   record["load_average_before"], record["load_average_after"] = load_before, os.getloadavg()
   print_report(record)
-  path = _results.out_path(args, "peer_tunix.json")
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  with open(path, "w") as f:
-    json.dump(record, f, indent=2)
-  print("wrote", path)
+  _results.write_record(args, "peer_tunix.json", record)
 
 
 if __name__ == "__main__":

@@ -21,9 +21,7 @@ runs/results/row_skip_timing.json (experiments/results/ with --record).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
-import json
 import os
 import statistics
 import sys
@@ -158,11 +156,7 @@ def main(argv=None):
             f"{r['row_skip_dead_frac']:.2f}, saved {r['row_skip_saved_frac']:.2f}, "
             f"clip_frac_seq {r['clip_frac_seq']:.2f}", flush=True)
   record["loadavg_after"] = os.getloadavg()
-  path = _results.out_path(args, "row_skip_timing.json")
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  with open(path, "w") as f:
-    json.dump(record, f, indent=2)
-  print(f"wrote {path}")
+  _results.write_record(args, "row_skip_timing.json", record)
 
 
 if __name__ == "__main__":

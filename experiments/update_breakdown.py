@@ -19,7 +19,6 @@ Writes runs/results/update_breakdown.json (experiments/results/ with --record).
 from __future__ import annotations
 
 import functools
-import json
 import os
 import statistics
 import sys
@@ -97,11 +96,7 @@ def main(argv=None):
             + (f"  {flops / 1e9 / w:6.1f} GFLOP/s" if flops else ""), flush=True)
     record["results"][str(T)] = out
   record["loadavg_after"] = os.getloadavg()
-  path = _results.out_path(args, "update_breakdown.json")
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  with open(path, "w") as f:
-    json.dump(record, f, indent=2)
-  print(f"wrote {path}")
+  _results.write_record(args, "update_breakdown.json", record)
 
 
 if __name__ == "__main__":

@@ -91,13 +91,20 @@ def teacher_forcing_flops(m, B: int, G: int, P: int, T: int, share_prompts: bool
   return _forward(m, B * G * (P + T), P + T, B * G * T)
 
 
+def _passes(cfg, m) -> tuple[int, int]:
+  """(forward-pass equivalents of a training step: 3, or 4 with full remat; the teacher-
+  forced passes `prepare` runs: pi_old recomputed, pi_ref)."""
+  backward = 4 if m.remat == "full" else 3
+  passes = int(cfg.old_logp == "recompute" or cfg.routing != "free") + int(bool(cfg.loss.kl_coef))
+  return backward, passes
+
+
 def program_flops(cfg, m) -> dict[str, float]:
   """FLOPs of each program for one call, summed over chips (see the module docstring)."""
   r = cfg.rollout
   B, G, P, T = r.sampled_prompts, r.group_size, r.max_prompt_len, r.max_new_tokens
-  backward = 4 if m.remat == "full" else 3
+  backward, passes = _passes(cfg, m)
   tf = teacher_forcing_flops(m, B, G, P, T, cfg.share_prompts)
-  passes = int(cfg.old_logp == "recompute" or cfg.routing != "free") + int(bool(cfg.loss.kl_coef))
 
   def sampler(rows_B: int, group: int) -> float:
     prefill = _forward(m, rows_B * P, P, rows_B)
@@ -122,9 +129,8 @@ def program_hbm_bytes(cfg, m, mesh_shape: dict[str, int], param_count: int) -> d
   sampler_item = jnp.dtype(r.sampler_dtype or m.param_dtype).itemsize
   cache_item = jnp.dtype(r.kv_cache_dtype or r.sampler_dtype or m.dtype).itemsize
   weights_pass = param_count * compute / tensor
-  backward = 4 if m.remat == "full" else 3
+  backward, passes = _passes(cfg, m)
   optimiser = param_count / (fsdp * tensor) * master * 3 * 2    # params, mu, nu: read + write
-  passes = int(cfg.old_logp == "recompute" or cfg.routing != "free") + int(bool(cfg.loss.kl_coef))
   kv_per_token = 2 * m.num_layers * m.num_kv_heads * m.head_dim * cache_item
 
   def sampler(rows_B: int, group: int) -> float:

@@ -13,7 +13,6 @@ come from `response_logprobs`.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -99,7 +98,7 @@ def _logprobs(model: Transformer, h_RxTxD: Array, tokens_RxT: Array, temperature
   that the batch axes do not divide take the plain path."""
   mesh = jax.sharding.get_abstract_mesh()
   rows = sharding.ACTIVATION_RULES["batch"]
-  if mesh.empty or mesh.size == 1 or h_RxTxD.shape[0] % math.prod(mesh.shape[a] for a in rows):
+  if mesh.empty or mesh.size == 1 or h_RxTxD.shape[0] % sharding.batch_ways(mesh):
     return token_logprobs_from_hidden(h_RxTxD, model.unembed_DxV(), tokens_RxT,
                                       temperature=temperature, chunk_size=chunk_size)
   vocab = sharding.PARAM_RULES["vocab"]
