@@ -154,13 +154,22 @@ def sampler_program(graphdef, scfg: SamplerConfig, layout: Layout, *, model_cfg:
 
   rep = layout.replicated
   ins = (layout.state.params, layout.rows(2), layout.rows(1), rep)
+  fn = run_rollout if rollout else run
+  fn = _experts_on_mesh(fn, layout.mesh)
   if outs is None:
     outs = rollout_shardings(graphdef, scfg, layout if frozen is None else frozen.layout)
-  fn, ins, outs = (run_rollout, (*ins, rep), (outs, rep)) if rollout else (run, ins, outs)
+  ins, outs = ((*ins, rep), (outs, rep)) if rollout else (ins, outs)
   if frozen is None:
     return jax.jit(fn, in_shardings=ins, out_shardings=outs)
   return frozen.bind(jax.jit(frozen.merged(fn), in_shardings=(frozen.shardings, *ins),
                              out_shardings=outs))
+
+
+def _experts_on_mesh(fn, mesh: Mesh):
+  """A sampler's function traced on the mesh when the mesh splits experts, so that its MoE
+  layers dispatch expert-parallel (tokens to the experts' chips, `models.moe`) instead of
+  leaving XLA to move the experts' weights; unchanged otherwise (see `Transformer.decode`)."""
+  return sharding.on_mesh(fn, mesh) if sharding.expert_parallel(mesh) else fn
 
 
 def rollout_shardings(graphdef, scfg: SamplerConfig, layout: Layout,
@@ -257,8 +266,9 @@ def episode_programs(graphdef, ecfg, *, layout: Layout):
   by rows; the episode state's shardings follow from them."""
   from gspo_jax.multiturn import sampler as mt
   ps, rows, rep = layout.state.params, layout.rows, layout.replicated
-  start = jax.jit(functools.partial(mt.start, graphdef, cfg=ecfg),
+  on_mesh = lambda fn: _experts_on_mesh(fn, layout.mesh)
+  start = jax.jit(on_mesh(functools.partial(mt.start, graphdef, cfg=ecfg)),
                   in_shardings=(ps, rows(2), rows(1), rep))
-  resume = jax.jit(lambda params, state, lens, obs, obs_len, go, key: mt.resume(
-      graphdef, params, state, lens, obs, obs_len, go, key, cfg=ecfg), donate_argnums=(1,))
+  resume = jax.jit(on_mesh(lambda params, state, lens, obs, obs_len, go, key: mt.resume(
+      graphdef, params, state, lens, obs, obs_len, go, key, cfg=ecfg)), donate_argnums=(1,))
   return mt.EpisodePrograms(ecfg, start, resume, jax.jit(functools.partial(mt.finish, cfg=ecfg)))
