@@ -146,7 +146,8 @@ def sampler_program(graphdef, scfg: SamplerConfig, layout: Layout, *, model_cfg:
     sample_graphdef, cast = graphdef, lambda params: params
 
   def run(params, prompts_BxP, lens_B, key):
-    return sampling.sample(sample_graphdef, cast(params), prompts_BxP, lens_B, key, cfg=scfg)
+    params = sharding.place_experts(cast(params))
+    return sampling.sample(sample_graphdef, params, prompts_BxP, lens_B, key, cfg=scfg)
 
   def run_rollout(params, prompts_BxP, lens_B, key, step_):
     out = run(params, prompts_BxP, lens_B, rng.device_key(key, step_, "sample"))
@@ -167,9 +168,10 @@ def sampler_program(graphdef, scfg: SamplerConfig, layout: Layout, *, model_cfg:
 
 def _experts_on_mesh(fn, mesh: Mesh):
   """A sampler's function traced on the mesh when the mesh splits experts, so that its MoE
-  layers dispatch expert-parallel (tokens to the experts' chips, `models.moe`) instead of
-  leaving XLA to move the experts' weights; unchanged otherwise (see `Transformer.decode`)."""
-  return sharding.on_mesh(fn, mesh) if sharding.expert_parallel(mesh) else fn
+  layers dispatch expert-parallel with whole experts per chip (tokens to the experts'
+  chips, `models.moe`; `sharding.expert_group`) instead of leaving XLA to move the
+  experts' weights at every step; unchanged otherwise (see `Transformer.decode`)."""
+  return sharding.on_mesh(fn, mesh, whole_experts=True) if sharding.expert_parallel(mesh) else fn
 
 
 def rollout_shardings(graphdef, scfg: SamplerConfig, layout: Layout,

@@ -15,6 +15,7 @@ breaks ordinary NNX layers whose contracting dimension is sharded).
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
 import math
@@ -221,13 +222,49 @@ def batch_axes(mesh) -> tuple[str, ...]:
   return tuple(a for a in ACTIVATION_RULES["batch"] if a in mesh.shape)
 
 
-def on_mesh(fn, mesh: Mesh):
+# Inside a sampler program (`on_mesh(..., whole_experts=True)`) the experts are split whole
+# over fsdp x expert, so that a decode step moves its few tokens to the experts and never an
+# expert's weights (`expert_group`, `place_experts`).
+_WHOLE_EXPERTS = contextvars.ContextVar("whole_experts", default=False)
+
+
+def expert_group(mesh=None) -> tuple[str, ...]:
+  """The mesh axes a MoE layer's experts are split over in the program being traced:
+  `expert` (their width on fsdp at rest, gathered per layer like every weight: training,
+  teacher forcing), or fsdp x expert in a sampler (whole experts per chip)."""
+  mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+  return ("fsdp", "expert") if _WHOLE_EXPERTS.get() and "fsdp" in mesh.shape else ("expert",)
+
+
+def place_experts(params):
+  """`params` (a model's state) with each expert weight laid out as `expert_group` says, on
+  the traced program's mesh: a sampler moves its experts once per call, before its decode
+  loop, instead of gathering them at every step. Unchanged without expert parallelism."""
+  if not expert_parallel():
+    return params
+  group = expert_group()
+
+  def one(var):
+    axes = tuple(var.get_metadata()["logical_axes"])
+    if "expert" not in axes or axes.index("expert") != len(axes) - 3:
+      return var   # not an (E, ., .) expert weight (the router's expert axis is its last)
+    spec = P(*([None] * (len(axes) - 3)), group, None, None)
+    return var.replace(jax.lax.with_sharding_constraint(var.get_value(), spec))
+  return jax.tree.map(one, params, is_leaf=_is_variable)
+
+
+def on_mesh(fn, mesh: Mesh, whole_experts: bool = False):
   """`fn` traced with `mesh` as its context (what `constrain` reads): the programs'
-  functions are wrapped by this where their jit is built."""
+  functions are wrapped by this where their jit is built. `whole_experts`: a sampler's
+  layout of the experts (`expert_group`)."""
   @functools.wraps(fn)
   def traced(*args, **kwargs):
-    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-      return fn(*args, **kwargs)
+    token = _WHOLE_EXPERTS.set(whole_experts)
+    try:
+      with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        return fn(*args, **kwargs)
+    finally:
+      _WHOLE_EXPERTS.reset(token)
   return traced
 
 

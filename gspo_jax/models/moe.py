@@ -138,33 +138,38 @@ _DISPATCH = {"dense": _dense_dispatch, "ragged": _ragged_dispatch}
 
 def _expert_parallel(dispatch, x_nxD: Array, weights_nxK: Array, indices_nxK: Array,
                      gate_ExDxF: Array, up_ExDxF: Array, down_ExFxD: Array) -> Array:
-  """`dispatch` with the experts split over the `expert` axis of the traced program's mesh
-  (see the module docstring); same arguments and result as `_DISPATCH[...]`.
+  """`dispatch` with the experts split over the expert group of the traced program's mesh
+  (`sharding.expert_group`; see the module docstring); the arguments and result of
+  `_DISPATCH[...]`.
 
   One shard_map over the whole mesh. Per chip: tokens x_lxD (its rows), expert weights
-  (E/ep, D/fsdp, F) at rest. The weights' fsdp shards are all-gathered inside (their
-  gradient is then reduce-scattered back to them; across `data` it is summed). Tokens whose
+  (E/ep, D/fsdp, F) as they rest; their fsdp shards are all-gathered inside (the gradient
+  is then reduce-scattered back to them; across `data` it is summed). In a sampler the
+  group is fsdp x expert and each chip holds E/(fsdp*ep) whole experts (moved there once
+  per call, `sharding.place_experts`): a decode step then moves tokens only. Tokens whose
   experts lie on other chips get index E/ep: past every local group (ragged) or outside
   one_hot (dense), so they add exact zeros, and a NaN weight (bad replay) still shows.
   Rows are padded to a multiple of the batch ways (zero rows, weight 0) and cut after.
   """
   mesh = jax.sharding.get_abstract_mesh()
-  rows = sharding.batch_axes(mesh)
+  rows, group = sharding.batch_axes(mesh), sharding.expert_group(mesh)
   n, ways = x_nxD.shape[0], math.prod(mesh.shape[a] for a in rows)
   pad = lambda a: jnp.pad(a, [(0, -n % ways)] + [(0, 0)] * (a.ndim - 1))
-  E_local = gate_ExDxF.shape[0] // mesh.shape["expert"]
+  E_local = gate_ExDxF.shape[0] // math.prod(mesh.shape[a] for a in group)
+  width = None if "fsdp" in group else "fsdp"   # whole experts (a sampler): nothing to gather
 
   def local(x_lxD, w_lxK, e_lxK, gate, up, down):
-    gather = lambda a, axis: jax.lax.all_gather(a, "fsdp", axis=axis, tiled=True)
-    gate, up, down = gather(gate, 1), gather(up, 1), gather(down, 2)
-    x_mxD, w_mxK, e_mxK = (jax.lax.all_gather(a, "expert", tiled=True)
+    if width:
+      gather = lambda a, axis: jax.lax.all_gather(a, "fsdp", axis=axis, tiled=True)
+      gate, up, down = gather(gate, 1), gather(up, 1), gather(down, 2)
+    x_mxD, w_mxK, e_mxK = (jax.lax.all_gather(a, group, tiled=True)
                            for a in (x_lxD, w_lxK, e_lxK))
-    mine_mxK = e_mxK - jax.lax.axis_index("expert") * E_local
+    mine_mxK = e_mxK - jax.lax.axis_index(group) * E_local
     mine_mxK = jnp.where((mine_mxK >= 0) & (mine_mxK < E_local), mine_mxK, E_local)
     y_mxD = _DISPATCH[dispatch](x_mxD, w_mxK, mine_mxK, gate, up, down)
-    return jax.lax.psum_scatter(y_mxD, "expert", tiled=True)
+    return jax.lax.psum_scatter(y_mxD, group, tiled=True)
 
-  spec_in, spec_out = P("expert", "fsdp", None), P("expert", None, "fsdp")
+  spec_in, spec_out = P(group, width, None), P(group, None, width)
   y_nxD = jax.shard_map(local, mesh=mesh, out_specs=P(rows),
                         in_specs=(P(rows), P(rows), P(rows), spec_in, spec_in, spec_out))(
       pad(x_nxD), pad(weights_nxK), pad(indices_nxK), gate_ExDxF, up_ExDxF, down_ExFxD)
