@@ -7,7 +7,9 @@ TPU torus's mesh axes must each be a product of its physical axes, so 8 does not
 v5p:4x4x4), the other chips on fsdp. Not a training recipe: the planner compiles shapes and loads nothing.
 
     python -m gspo_jax.plan --config configs/plan_qwen3_30b_a3b.py --topology v5p:4x4x4
-    python -m gspo_jax.plan --config configs/plan_qwen3_30b_a3b.py:no_expert --topology v5p:4x4x4
+    # before expert parallelism: every chip on fsdp, experts split by their width
+    python -m gspo_jax.plan --config configs/plan_qwen3_30b_a3b.py --topology v5p:4x4x4 \
+        --set mesh.expert=1
 """
 
 import dataclasses
@@ -24,8 +26,12 @@ def get_config(arg: str | None = None) -> TrainConfig:
                             max_prompt_len=256),
       mesh=MeshConfig(data=1, fsdp=-1, expert=4), sft=SFTConfig(steps=0), num_minibatches=4,
       eval_size=64)
-  if arg == "no_expert":  # the same run before expert parallelism: every chip on fsdp
-    return dataclasses.replace(cfg, mesh=MeshConfig(data=1, fsdp=-1))
+  if arg == "smoke":  # the same shapes but 2 layers, a small batch and short responses
+    return dataclasses.replace(
+        cfg, model=dataclasses.replace(cfg.model, num_layers=2),
+        rollout=dataclasses.replace(cfg.rollout, prompts_per_iter=8, group_size=4,
+                                    max_new_tokens=64),
+        iterations=2, eval_every=0, eval_size=16)
   if arg is not None:
-    raise ValueError(f"unknown variant {arg!r} (this file has: no_expert)")
+    raise ValueError(f"unknown variant {arg!r} (this file has: smoke)")
   return cfg

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
-from gspo_jax import _checks, losses, sharding
+from gspo_jax import _checks, expert_mesh, losses, sharding
 from gspo_jax.lora import LoRAConfig, check_model as check_lora
 from gspo_jax.optim import OptimConfig
 from gspo_jax.rollout_correction import RolloutCorrectionConfig
@@ -295,7 +295,7 @@ class TrainConfig:
                        "so every weight pi_old / pi_sampler would be exactly 1")
     if not self.pretrained:
       check_routing(self)
-      check_mesh(self.mesh, self.model)
+      expert_mesh.check_experts(self.mesh, self.model.num_experts)
       check_positions(self.model, self.rollout)
       check_lora(self.lora, self.model)  # a pretrained model is checked once loaded (run.setup)
     sampling_dtype = self.rollout.sampler_dtype or self.model.dtype
@@ -357,28 +357,6 @@ def check_positions(model: ModelConfig, rollout: RolloutConfig) -> None:
                      f"more than the model's max_positions = {model.max_positions}: lower "
                      f"rollout.max_new_tokens to at most "
                      f"{model.max_positions - rollout.max_prompt_len}")
-
-
-def check_mesh(mesh: sharding.MeshConfig, model: ModelConfig) -> None:
-  """The expert axis against the model: only a MoE model's experts split over it, evenly,
-  and not beside tensor parallelism (the expert-parallel MoE runs whole experts per chip)."""
-  if mesh.expert == 1:
-    return
-  if not model.num_experts:
-    raise ValueError(f"mesh.expert = {mesh.expert} needs a Mixture-of-Experts model "
-                     "(model.num_experts > 0): a dense model has no experts to split; use "
-                     "mesh.fsdp or mesh.data for these chips")
-  if mesh.expert < 1:
-    raise ValueError(f"mesh.expert must be a number of chips >= 1 (it has to divide "
-                     f"model.num_experts = {model.num_experts}); got {mesh.expert}")
-  if model.num_experts % mesh.expert:
-    raise ValueError(f"mesh.expert = {mesh.expert} does not divide model.num_experts = "
-                     f"{model.num_experts}: each chip of the expert axis holds "
-                     "num_experts / mesh.expert whole experts")
-  if mesh.tensor != 1:
-    raise ValueError(f"mesh.expert = {mesh.expert} with mesh.tensor = {mesh.tensor} is not "
-                     "supported: expert-parallel MoE layers run whole experts per chip; set "
-                     "mesh.tensor=1 (use mesh.fsdp or mesh.data for the other chips)")
 
 
 def check_routing(cfg: TrainConfig) -> None:

@@ -123,7 +123,8 @@ def program_hbm_bytes(cfg, m, mesh_shape: dict[str, int], param_count: int) -> d
   and the sampler's per-step weight shard and KV cache reads. Activations are not counted."""
   r = cfg.rollout
   B, G, P, T = r.sampled_prompts, r.group_size, r.max_prompt_len, r.max_new_tokens
-  data, fsdp, expert, tensor = (mesh_shape.get(a, 1) for a in ("data", "fsdp", "expert", "tensor"))
+  data, fsdp, expert, tensor = (mesh_shape.get(a, 1)
+                                for a in ("data", "fsdp", "expert", "tensor"))
   # Expert weights stay split over `expert` when a pass uses them.
   experts = m.num_moe_layers * 3 * m.num_experts * m.hidden * m.moe_mlp_dim if expert > 1 else 0
   compute = jnp.dtype(m.dtype).itemsize

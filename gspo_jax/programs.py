@@ -29,7 +29,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from gspo_jax import coldstart, losses, optim, rng, row_skip, sampling, sharding, step
+from gspo_jax import (coldstart, expert_mesh, losses, optim, rng, row_skip, sampling, sharding,
+                      step)
 from gspo_jax.config import TrainConfig
 from gspo_jax.models.config import ModelConfig
 from gspo_jax.sampling import SamplerConfig
@@ -146,7 +147,7 @@ def sampler_program(graphdef, scfg: SamplerConfig, layout: Layout, *, model_cfg:
     sample_graphdef, cast = graphdef, lambda params: params
 
   def run(params, prompts_BxP, lens_B, key):
-    params = sharding.place_experts(cast(params))
+    params = expert_mesh.place_experts(cast(params))
     return sampling.sample(sample_graphdef, params, prompts_BxP, lens_B, key, cfg=scfg)
 
   def run_rollout(params, prompts_BxP, lens_B, key, step_):
@@ -169,9 +170,9 @@ def sampler_program(graphdef, scfg: SamplerConfig, layout: Layout, *, model_cfg:
 def _experts_on_mesh(fn, mesh: Mesh):
   """A sampler's function traced on the mesh when the mesh splits experts, so that its MoE
   layers dispatch expert-parallel with whole experts per chip (tokens to the experts'
-  chips, `models.moe`; `sharding.expert_group`) instead of leaving XLA to move the
+  chips, `models.moe`; `expert_mesh.expert_group`) instead of leaving XLA to move the
   experts' weights at every step; unchanged otherwise (see `Transformer.decode`)."""
-  return sharding.on_mesh(fn, mesh, whole_experts=True) if sharding.expert_parallel(mesh) else fn
+  return sharding.on_mesh(fn, mesh, whole_experts=True) if expert_mesh.expert_parallel(mesh) else fn
 
 
 def rollout_shardings(graphdef, scfg: SamplerConfig, layout: Layout,

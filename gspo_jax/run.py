@@ -15,9 +15,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gspo_jax import checkpoint, configlib, lora_run, rng, rundir, sharding, text
-from gspo_jax.config import (TrainConfig, check_lora, check_mesh, check_positions,
-                             check_routing)
+from gspo_jax import checkpoint, configlib, expert_mesh, lora_run, rng, rundir, sharding, text
+from gspo_jax.config import TrainConfig, check_lora, check_positions, check_routing
 from gspo_jax.models.config import EXECUTION_FIELDS
 from gspo_jax.optim import make_optimizer, sft_optimizer
 from gspo_jax.programs import Layout, Programs, check_layout, make_layout, make_programs
@@ -216,7 +215,7 @@ def setup(cfg: TrainConfig, run_dir: str) -> Run:
     check_fits(task, tok, cfg)
     hf_model = hf.config_from_hf(hf.read_config(cfg.pretrained))
     check_positions(hf_model, cfg.rollout)
-    check_mesh(cfg.mesh, hf_model)
+    expert_mesh.check_experts(cfg.mesh, hf_model.num_experts)
     model = hf.load(cfg.pretrained, mesh=mesh, **pretrained_load_args(cfg))
     cfg = dataclasses.replace(cfg, model=model.cfg)
     check_routing(cfg)

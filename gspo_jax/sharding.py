@@ -15,7 +15,6 @@ breaks ordinary NNX layers whose contracting dimension is sharded).
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import functools
 import math
@@ -27,6 +26,8 @@ import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from gspo_jax import expert_mesh
 
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
 
@@ -184,7 +185,7 @@ def gathered(weights, dtype=None):
     axes = tuple(var.get_metadata()["logical_axes"])
     value = var.get_value()
     axes = axes[len(axes) - value.ndim:]      # a scanned layer's slice lost its `layers` axis
-    if axes[:1] == ("expert",) and expert_parallel(mesh):
+    if axes[:1] == ("expert",) and expert_mesh.expert_parallel(mesh):
       return var   # the expert-parallel MoE gathers its own experts' shards (`models.moe`)
     use, keep = spec_for(axes, value.shape, mesh, use_rules), spec_for(axes, value.shape, mesh)
     if use == keep:
@@ -211,60 +212,19 @@ def _gather_bwd(use, keep, _, ct):
 _gather.defvjp(_gather_fwd, _gather_bwd)
 
 
-def expert_parallel(mesh=None) -> bool:
-  """Whether `mesh` (default: the mesh of the program being traced) splits experts."""
-  mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
-  return not mesh.empty and mesh.shape.get("expert", 1) > 1
-
-
 def batch_axes(mesh) -> tuple[str, ...]:
   """The mesh axes that split the rows of a batch, in order (those `mesh` has)."""
   return tuple(a for a in ACTIVATION_RULES["batch"] if a in mesh.shape)
 
 
-# Inside a sampler program (`on_mesh(..., whole_experts=True)`) the experts are split whole
-# over fsdp x expert, so that a decode step moves its few tokens to the experts and never an
-# expert's weights (`expert_group`, `place_experts`).
-_WHOLE_EXPERTS = contextvars.ContextVar("whole_experts", default=False)
-
-
-def expert_group(mesh=None) -> tuple[str, ...]:
-  """The mesh axes a MoE layer's experts are split over in the program being traced:
-  `expert` (their width on fsdp at rest, gathered per layer like every weight: training,
-  teacher forcing), or fsdp x expert in a sampler (whole experts per chip)."""
-  mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
-  return ("fsdp", "expert") if _WHOLE_EXPERTS.get() and "fsdp" in mesh.shape else ("expert",)
-
-
-def place_experts(params):
-  """`params` (a model's state) with each expert weight laid out as `expert_group` says, on
-  the traced program's mesh: a sampler moves its experts once per call, before its decode
-  loop, instead of gathering them at every step. Unchanged without expert parallelism."""
-  if not expert_parallel():
-    return params
-  group = expert_group()
-
-  def one(var):
-    axes = tuple(var.get_metadata()["logical_axes"])
-    if "expert" not in axes or axes.index("expert") != len(axes) - 3:
-      return var   # not an (E, ., .) expert weight (the router's expert axis is its last)
-    spec = P(*([None] * (len(axes) - 3)), group, None, None)
-    return var.replace(jax.lax.with_sharding_constraint(var.get_value(), spec))
-  return jax.tree.map(one, params, is_leaf=_is_variable)
-
-
 def on_mesh(fn, mesh: Mesh, whole_experts: bool = False):
   """`fn` traced with `mesh` as its context (what `constrain` reads): the programs'
   functions are wrapped by this where their jit is built. `whole_experts`: a sampler's
-  layout of the experts (`expert_group`)."""
+  layout of the experts (`expert_mesh.expert_group`)."""
   @functools.wraps(fn)
   def traced(*args, **kwargs):
-    token = _WHOLE_EXPERTS.set(whole_experts)
-    try:
-      with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-        return fn(*args, **kwargs)
-    finally:
-      _WHOLE_EXPERTS.reset(token)
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), expert_mesh.layout(whole_experts):
+      return fn(*args, **kwargs)
   return traced
 
 

@@ -47,7 +47,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from gspo_jax import _checks, sharding
+from gspo_jax import _checks, expert_mesh, sharding
 from gspo_jax.models.config import ModelConfig
 from gspo_jax.models.layers import param
 
@@ -139,20 +139,20 @@ _DISPATCH = {"dense": _dense_dispatch, "ragged": _ragged_dispatch}
 def _expert_parallel(dispatch, x_nxD: Array, weights_nxK: Array, indices_nxK: Array,
                      gate_ExDxF: Array, up_ExDxF: Array, down_ExFxD: Array) -> Array:
   """`dispatch` with the experts split over the expert group of the traced program's mesh
-  (`sharding.expert_group`; see the module docstring); the arguments and result of
+  (`expert_mesh.expert_group`; see the module docstring); the arguments and result of
   `_DISPATCH[...]`.
 
   One shard_map over the whole mesh. Per chip: tokens x_lxD (its rows), expert weights
   (E/ep, D/fsdp, F) as they rest; their fsdp shards are all-gathered inside (the gradient
   is then reduce-scattered back to them; across `data` it is summed). In a sampler the
   group is fsdp x expert and each chip holds E/(fsdp*ep) whole experts (moved there once
-  per call, `sharding.place_experts`): a decode step then moves tokens only. Tokens whose
+  per call, `expert_mesh.place_experts`): a decode step then moves tokens only. Tokens whose
   experts lie on other chips get index E/ep: past every local group (ragged) or outside
   one_hot (dense), so they add exact zeros, and a NaN weight (bad replay) still shows.
   Rows are padded to a multiple of the batch ways (zero rows, weight 0) and cut after.
   """
   mesh = jax.sharding.get_abstract_mesh()
-  rows, group = sharding.batch_axes(mesh), sharding.expert_group(mesh)
+  rows, group = sharding.batch_axes(mesh), expert_mesh.expert_group(mesh)
   n, ways = x_nxD.shape[0], math.prod(mesh.shape[a] for a in rows)
   pad = lambda a: jnp.pad(a, [(0, -n % ways)] + [(0, 0)] * (a.ndim - 1))
   E_local = gate_ExDxF.shape[0] // math.prod(mesh.shape[a] for a in group)
@@ -259,7 +259,7 @@ class MoE(nnx.Module):
     weights_nxK, indices_nxK, probs_nxE = route(
         x_nxD, self.router[...], K, norm_topk_prob=self.norm_topk_prob, replay_nxK=replay_nxK)
     experts = [w[...].astype(self.dtype) for w in (self.gate, self.up, self.down)]
-    if sharding.expert_parallel():
+    if expert_mesh.expert_parallel():
       y_nxD = _expert_parallel(self.dispatch, x_nxD, weights_nxK, indices_nxK, *experts)
     else:
       y_nxD = _DISPATCH[self.dispatch](x_nxD, weights_nxK, indices_nxK, *experts)
