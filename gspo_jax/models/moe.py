@@ -23,7 +23,8 @@ still split over `fsdp` at rest) and the tokens go to the chips that hold their 
 (`_expert_parallel`): each chip all-gathers the tokens of its expert group (the ep chips
 that differ only in their `expert` coordinate), runs the same dispatch on its own experts
 only, and a reduce-scatter sums each token's K expert outputs back onto the chip that
-holds the token. Still dropless and exact (only the float summation order of a token's K
+holds the token (in a sampler the group is fsdp x expert, whole experts per chip:
+`expert_mesh`). Still dropless and exact (only the float summation order of a token's K
 outputs changes: partial sums per chip, then across chips). Per chip and layer this sends
 2 (ep-1) n_l D values (n_l tokens per chip) against 2 K (ep-1)/ep n_l D for a dropless
 all-to-all of the K copies: fewer bytes while ep < K, as many at ep = K. (A dropless
