@@ -28,7 +28,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gspo_jax import checkpoint, lora, programs, rng, sharding, step
+from gspo_jax import checkpoint, lora, lora_quant, programs, rng, sharding, step
 from gspo_jax.programs import Layout, Programs
 from gspo_jax.step import TrainState
 
@@ -38,18 +38,41 @@ BASE_DIR = "base"
 
 @dataclasses.dataclass
 class Frozen:
-  """A LoRA run's frozen base: its parameters (set by setup; replaced once by the cold
-  start's policy or the saved base), the full model's layout (the base's shardings and
-  abstract shapes), the adapters' scale alpha / r, and the full model's programs (the cold
-  start's, which train every parameter)."""
+  """A LoRA run's frozen base: its parameters (as stored: with `lora.base_dtype = "int8"`
+  the dense weights quantised, `lora_quant`; set through `store`), the full model's layout
+  (the float base's shardings and abstract shapes), the adapters' scale alpha / r, and the
+  full model's programs (the cold start's, which train every parameter)."""
   params: Any
   layout: Layout
   scale: float
   programs: Programs
+  base_dtype: str = ""
+  abstract: Any = dataclasses.field(init=False)    # the stored base, abstract and sharded
+  shardings: Any = dataclasses.field(init=False)
 
-  @property
-  def shardings(self):
-    return self.layout.state.params
+  def __post_init__(self):
+    full = self.layout.params
+    if not self.base_dtype:
+      self.abstract, self.shardings = full, self.layout.state.params
+      return
+    self._inputs = lora.dense_weights(full)
+    abstract = lora_quant.abstract(full, self._inputs)
+    self.shardings = sharding.param_shardings(abstract, self.layout.mesh)
+    self.abstract = sharding.abstract(abstract, self.shardings)
+
+  def store(self, params):
+    """`params` (the full model's, in its layout) as this base stores them."""
+    if not self.base_dtype:
+      return params
+    quantize = jax.jit(lambda p: lora_quant.quantize(p, self._inputs),
+                       out_shardings=self.shardings)
+    return quantize(params)
+
+  def weights(self):
+    """The base as the full model takes it (an int8 base dequantised), in its layout."""
+    if not self.base_dtype:
+      return self.params
+    return jax.jit(lora_quant.dequantize, out_shardings=self.layout.state.params)(self.params)
 
   def merged(self, fn):
     """fn(params, *rest) as f(base, adapters, *rest), the adapters merged into the base."""
@@ -70,7 +93,7 @@ class Bound:
     return self.jitted(self.frozen.params, *args)
 
   def lower(self, *args):
-    return self.jitted.lower(self.frozen.layout.params, *args)
+    return self.jitted.lower(self.frozen.abstract, *args)
 
 
 def adapter_layout(base_params, tx, mesh, cfg) -> tuple[Layout, Any]:
@@ -107,7 +130,7 @@ def make_programs(graphdef, tx, cfg, layout: Layout, tok, frozen: Frozen) -> Pro
     if scfg.kl is None:
       return batch
     # The adapters off: the frozen weights through the plain structure (exactly the base).
-    ref = step.policy_logprobs(base, graphdef, batch, scfg)[0]
+    ref = step.policy_logprobs(lora_quant.dequantize(base), graphdef, batch, scfg)[0]
     return batch.replace(ref_logp_BxGxT=ref)
 
   def update(base, state, batch, rewards_BxG):
@@ -131,9 +154,10 @@ def make_programs(graphdef, tx, cfg, layout: Layout, tok, frozen: Frozen) -> Pro
 
 
 def freeze(frozen: Frozen, params, run_dir: str, cfg, *, trained: bool) -> None:
-  """Make `params` (the cold start's policy) the frozen base. A trained base is saved once
-  in <run>/base/; either way <run>/base.json says where the base comes from."""
-  frozen.params = params
+  """Make `params` (the cold start's policy) the frozen base (quantised when
+  `lora.base_dtype` says). A trained base is saved once, as stored, in <run>/base/; either
+  way <run>/base.json says where the base comes from."""
+  frozen.params = params = frozen.store(params)
   if trained:
     ckpt = checkpoint.Checkpointer(os.path.join(run_dir, BASE_DIR), every=0, keep=1)
     try:
@@ -144,7 +168,9 @@ def freeze(frozen: Frozen, params, run_dir: str, cfg, *, trained: bool) -> None:
     source = ({"base": "cold start", "directory": BASE_DIR} if trained else
               {"base": "initial model", "pretrained": cfg.pretrained, "seed": cfg.seed})
     with open(os.path.join(run_dir, POINTER), "w") as f:
-      json.dump({**source, "lora_rank": cfg.lora.rank}, f, indent=2)
+      json.dump({**source, "lora_rank": cfg.lora.rank,
+                 **({"base_dtype": cfg.lora.base_dtype} if cfg.lora.base_dtype else {})},
+                f, indent=2)
   sharding.barrier("lora-base")
 
 
@@ -171,7 +197,7 @@ def cold_start_view(run):
   if run.frozen is None:
     return run
   f = run.frozen
-  return dataclasses.replace(run, state=run.state.replace(params=f.params, opt_state=None),
+  return dataclasses.replace(run, state=run.state.replace(params=f.weights(), opt_state=None),
                              layout=f.layout, programs=f.programs, frozen=None)
 
 

@@ -114,7 +114,7 @@ def _shapes(program, *args):
   base = getattr(program, "frozen", None)
   if base is None:
     return jax.eval_shape(program, *args)
-  return jax.eval_shape(program.jitted, base.layout.params, *args)
+  return jax.eval_shape(program.jitted, base.abstract, *args)
 
 
 def program_inputs(cfg: TrainConfig, layout, progs) -> dict[str, tuple]:
@@ -247,7 +247,8 @@ def _lora(cfg: TrainConfig, graphdef, params, tx, full_layout, full_programs, to
     check_lora(cfg.lora, cfg.model)
   except ValueError as e:
     raise PlanError(str(e)) from None
-  frozen = lora_run.Frozen(full_layout.params, full_layout, cfg.lora.scale, full_programs)
+  frozen = lora_run.Frozen(full_layout.params, full_layout, cfg.lora.scale, full_programs,
+                           cfg.lora.base_dtype)
   layout = programs.make_layout(lora.adapter_shapes(params, cfg.lora), tx, full_layout.mesh)
   return layout, lora_run.make_programs(graphdef, tx, cfg, layout, tok, frozen)
 
