@@ -16,7 +16,8 @@ runs/results/benchmark_lora_cost.json (`--out DIR`: elsewhere).
 `--shapes MODEL` counts the same bytes for a real model's shapes without building it
 (`jax.eval_shape`): full fine-tuning with float32 master parameters and Adam, against LoRA
 with the base frozen in bfloat16 (it takes no optimiser step, so it needs no float32 copy)
-and float32 adapters and Adam. Activations and temporaries are not counted.
+or in int8 (`lora.base_dtype`: the dense weights int8 with float32 scales per output channel,
+the rest bfloat16) and float32 adapters and Adam. Activations and temporaries are not counted.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import _bench
-from gspo_jax import configlib, lora, sharding
+from gspo_jax import configlib, lora, lora_quant, sharding
 from gspo_jax import run as R
 from gspo_jax.config import SFTConfig, TrainConfig
 from gspo_jax.lora import LoRAConfig
@@ -80,7 +81,9 @@ def state_bytes(model: str, rank: int, alpha: float) -> dict:
   return {"model": model, "rank": rank,
           "full": {"param_bytes": lora.num_bytes(full), "opt_bytes": opt(full)},
           "lora": {"param_bytes": lora.num_bytes(adapters), "opt_bytes": opt(adapters),
-                   "frozen_base_bytes": lora.num_bytes(base)}}
+                   "frozen_base_bytes": lora.num_bytes(base),
+                   "frozen_base_int8_bytes": lora.num_bytes(
+                       lora_quant.abstract(base, lora.dense_weights(base)))}}
 
 
 def main(argv=None) -> dict:
@@ -102,7 +105,7 @@ def main(argv=None) -> dict:
           f"{gib(full['opt_bytes'])} Adam = {gib(full['param_bytes'] + full['opt_bytes'])}")
     print(f"LoRA r={args.rank}: {gib(low['param_bytes'])} adapters + {gib(low['opt_bytes'])} "
           f"Adam = {gib(low['param_bytes'] + low['opt_bytes'])}, frozen bfloat16 base "
-          f"{gib(low['frozen_base_bytes'])}")
+          f"{gib(low['frozen_base_bytes'])} (int8 base: {gib(low['frozen_base_int8_bytes'])})")
     _bench.write(f"lora_state_{args.shapes}", record, args.out)
     return record
   cfg = configlib.load_config(args.config)

@@ -51,6 +51,7 @@ TARGETS: dict[str, tuple[tuple[str, str], int]] = {
     "gate": (("mlp", "gate"), 1), "up": (("mlp", "up"), 1), "down": (("mlp", "down"), 1),
 }
 MLP_TARGETS = ("gate", "up", "down")
+COLD_STARTS = ("full", "adapters")
 A, B = "lora_a", "lora_b"
 
 
@@ -60,12 +61,16 @@ class LoRAConfig:
 
   alpha: the adapters' scale is alpha / r (PEFT's `lora_alpha`). targets: which weights of
   every layer get adapters (`TARGETS`). dropout: must be 0 (the message below says why).
-  base_dtype: "" (the base in the model's own dtype) or "int8" (`gspo_jax.lora_quant`)."""
+  base_dtype: "" (the base in the model's own dtype) or "int8" (`gspo_jax.lora_quant`).
+  cold_start: what the cold start (`sft.steps` > 0) trains: "full", the whole model, which
+  then becomes the frozen base (adapters from B = 0); or "adapters", the adapters on the
+  frozen initial base, which RL then goes on training (`gspo_jax.lora_run`)."""
   rank: int = 0
   alpha: float = 32.0
   targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
   dropout: float = 0.0
   base_dtype: str = ""
+  cold_start: str = "full"
 
   def __post_init__(self):
     if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
@@ -73,10 +78,15 @@ class LoRAConfig:
     if self.base_dtype not in lora_quant.BASE_DTYPES:
       raise ValueError(f"lora.base_dtype must be one of {lora_quant.BASE_DTYPES} ('' = the "
                        f"model's own dtype; nf4 is not built); got {self.base_dtype!r}")
+    if self.cold_start not in COLD_STARTS:
+      raise ValueError(f"lora.cold_start must be one of {COLD_STARTS}; got {self.cold_start!r}")
     if not self.rank:
-      if self.base_dtype:
-        raise ValueError(f"lora.base_dtype = {self.base_dtype!r} needs lora.rank > 0 (only a "
-                         "LoRA run has a frozen base to quantise)")
+      named = [f"lora.{k} = {v!r}" for k, v, off in (("base_dtype", self.base_dtype, ""),
+                                                     ("cold_start", self.cold_start, "full"))
+               if v != off]
+      if named:
+        raise ValueError(f"{', '.join(named)} needs lora.rank > 0 (only a LoRA run has a "
+                         "frozen base and adapters)")
       return
     if not (isinstance(self.alpha, (int, float)) and self.alpha > 0):
       raise ValueError(f"lora.alpha must be > 0 (the scale is alpha / rank); got {self.alpha!r}")

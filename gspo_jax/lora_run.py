@@ -7,11 +7,16 @@ what a LoRA run does differently:
   the programs       sample, greedy, prepare and update take the frozen base as a first
                      argument, which `Frozen` passes at each call (`Bound`), so they are
                      called as a full run's are; the base is never donated
-  pi_ref (KL term)   the base with the adapters off, teacher-forced inside `prepare` (no
-                     copy of the model, nothing saved)
-  the cold start     trains the whole model (`Frozen.programs`, the full run's programs);
-                     its policy becomes the frozen base and the adapters start at B = 0,
-                     so RL starts from the cold-start policy, as a full run does
+  pi_ref (KL term)   the cold-start policy, as in a full run: the base with the adapters
+                     off, teacher-forced inside `prepare` (no copy of the model, nothing
+                     saved); with an adapter cold start, the base with the cold start's
+                     adapters (saved once in <run>/reference: adapter bytes only)
+  the cold start     `lora.cold_start = "full"`: trains the whole model (`Frozen.programs`,
+                     the full run's programs); its policy becomes the frozen base and the
+                     adapters start at B = 0, so RL starts from the cold-start policy, as a
+                     full run does. "adapters": trains the adapters on the frozen initial
+                     base (the only cold start an int8 base allows without a float copy),
+                     and RL goes on from them
   <run>/base.json    where the base comes from (the pointer the checkpoints need): the
                      cold start, saved once in <run>/base/; or, with no cold start, the
                      initial model (`pretrained`, or `model` and `seed`), rebuilt by setup
@@ -28,7 +33,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gspo_jax import checkpoint, lora, lora_quant, programs, rng, sharding, step
+from gspo_jax import checkpoint, coldstart, lora, lora_quant, optim, programs, rng, sharding, step
 from gspo_jax.programs import Layout, Programs
 from gspo_jax.step import TrainState
 
@@ -101,15 +106,29 @@ def adapter_layout(base_params, tx, mesh, cfg) -> tuple[Layout, Any]:
   which are its base weight's (`lora.adapter_shapes`), and initialised directly in that
   sharding from the run's seed (A random, B = 0)."""
   abstract = lora.adapter_shapes(base_params, cfg.lora)
-  layout = programs.make_layout(abstract, tx, mesh)
+  layout = adapters_layout(abstract, tx, mesh, cfg)
   init = jax.jit(lambda key: lora.init_adapters(abstract, key),
                  out_shardings=layout.state.params)
   return layout, init(rng.init_key(cfg.seed, "lora_adapters"))
 
 
+def adapters_cold_start(cfg) -> bool:
+  """Whether the cold start trains the adapters (`lora.cold_start`), and there is one."""
+  return cfg.lora.rank > 0 and cfg.lora.cold_start == "adapters" and cfg.sft.steps > 0
+
+
+def adapters_layout(abstract, tx, mesh, cfg) -> Layout:
+  """The adapters' layout (with the cold start's optimiser state when it trains them)."""
+  sft_tx = (optim.sft_optimizer(cfg.sft.steps, cfg.sft.learning_rate)
+            if adapters_cold_start(cfg) else None)
+  return programs.make_layout(abstract, tx, mesh, sft_tx)
+
+
 def make_programs(graphdef, tx, cfg, layout: Layout, tok, frozen: Frozen) -> Programs:
   """A LoRA run's programs (`programs.Programs`): `params` are the adapters; the cold
-  start's `sft` / `sft_init` are the full model's."""
+  start's `sft` / `sft_init` are the full model's, or with `lora.cold_start = "adapters"`
+  the adapters' on the frozen base (the base's argument first, the adapters and their
+  optimiser state donated)."""
   rep, ps, rows, fs = layout.replicated, layout.state.params, layout.rows, frozen.shardings
   scfg = programs.step_config(cfg)
   rollout_cfg, greedy_cfg = programs.sampler_configs(tok, cfg)
@@ -123,8 +142,11 @@ def make_programs(graphdef, tx, cfg, layout: Layout, tok, frozen: Frozen) -> Pro
     return TrainState(params=adapters, opt_state=tx.init(adapters),
                       step=jnp.zeros((), jnp.int32), key=jax.random.key(cfg.seed))
 
-  def prepare(base, adapters, ref_params, rollout, prompts_BxP, lens_B):
-    del ref_params  # pi_ref is the base itself
+  def prepare(base, adapters, ref_adapters, rollout, prompts_BxP, lens_B):
+    """pi_ref: the base with `ref_adapters` (an adapter cold start's), or with none."""
+    if ref_adapters is not None:
+      return step.prepare(adapters, ref_adapters, rollout, prompts_BxP, lens_B,
+                          graphdef=adapted(base), cfg=scfg)
     batch = step.prepare(adapters, None, rollout, prompts_BxP, lens_B, graphdef=adapted(base),
                          cfg=scfg)
     if scfg.kl is None:
@@ -137,15 +159,26 @@ def make_programs(graphdef, tx, cfg, layout: Layout, tok, frozen: Frozen) -> Pro
     return step.update(state, batch, rewards_BxG, graphdef=adapted(base), tx=tx, cfg=scfg,
                        mesh=layout.mesh)
 
+  sft, sft_init = frozen.programs.sft, frozen.programs.sft_init
+  if adapters_cold_start(cfg):
+    sft_tx = optim.sft_optimizer(cfg.sft.steps, cfg.sft.learning_rate)
+    sft_os = layout.sft_opt_state
+    sft_step = lambda base, adapters, opt_state, batch: coldstart.sft_step(
+        adapters, opt_state, batch, graphdef=adapted(base), tx=sft_tx)
+    sft = frozen.bind(jax.jit(sharding.on_mesh(sft_step, layout.mesh),
+                              in_shardings=(fs, ps, sft_os, (rows(2), rows(1), rows(2), rows(2))),
+                              out_shardings=(ps, sft_os, rep), donate_argnums=(1, 2)))
+    sft_init = jax.jit(sft_tx.init, in_shardings=(ps,), out_shardings=sft_os)
+  ref_sh = ps if cfg.loss.kl_coef and adapters_cold_start(cfg) else None
   return Programs(
       init=jax.jit(init, in_shardings=(ps,), out_shardings=layout.state),
       sample=sampler(rollout_cfg, dtype=cfg.rollout.sampler_dtype, rollout=True,
                      outs=rollout_sh),
       greedy=sampler(greedy_cfg, outs=rollout_sh.replace(experts=None)),
-      sft=frozen.programs.sft, sft_init=frozen.programs.sft_init,
+      sft=sft, sft_init=sft_init,
       # Traced on the mesh, as the full model's (`programs.make_programs`).
       prepare=frozen.bind(jax.jit(sharding.on_mesh(prepare, layout.mesh),
-                                  in_shardings=(fs, ps, None, rollout_sh, rows(2), rows(1)),
+                                  in_shardings=(fs, ps, ref_sh, rollout_sh, rows(2), rows(1)),
                                   out_shardings=layout.batch)),
       update=frozen.bind(jax.jit(sharding.on_mesh(update, layout.mesh),
                                  in_shardings=(fs, layout.state, layout.batch, layout.batch),
@@ -153,11 +186,13 @@ def make_programs(graphdef, tx, cfg, layout: Layout, tok, frozen: Frozen) -> Pro
       step_cfg=scfg, make_sampler=sampler)
 
 
-def freeze(frozen: Frozen, params, run_dir: str, cfg, *, trained: bool) -> None:
+def freeze(frozen: Frozen, params, run_dir: str, cfg, *, trained: bool,
+           stored: bool = False) -> None:
   """Make `params` (the cold start's policy) the frozen base (quantised when
   `lora.base_dtype` says). A trained base is saved once, as stored, in <run>/base/; either
-  way <run>/base.json says where the base comes from."""
-  frozen.params = params = frozen.store(params)
+  way <run>/base.json says where the base comes from. `stored`: `params` are already as
+  the base stores them."""
+  frozen.params = params = params if stored else frozen.store(params)
   if trained:
     ckpt = checkpoint.Checkpointer(os.path.join(run_dir, BASE_DIR), every=0, keep=1)
     try:
@@ -172,6 +207,26 @@ def freeze(frozen: Frozen, params, run_dir: str, cfg, *, trained: bool) -> None:
                  **({"base_dtype": cfg.lora.base_dtype} if cfg.lora.base_dtype else {})},
                 f, indent=2)
   sharding.barrier("lora-base")
+
+
+def start_rl(run, params, run_dir: str):
+  """The state RL starts from after the cold start returned `params`: a full run's policy,
+  an adapter cold start's adapters (fresh optimiser state; the base stays the initial
+  model), or a whole-model cold start's policy frozen as the base (adapters at B = 0)."""
+  cfg = run.cfg
+  if run.frozen is None:
+    return run.programs.init(params)
+  if adapters_cold_start(cfg):
+    freeze(run.frozen, run.frozen.params, run_dir, cfg, trained=False, stored=True)
+    return run.programs.init(params)
+  freeze(run.frozen, params, run_dir, cfg, trained=cfg.sft.steps > 0)
+  return run.state
+
+
+def trains_reference(cfg) -> bool:
+  """Whether pi_ref is passed to `prepare` (saved in <run>/reference): a full run's whole
+  policy, or an adapter cold start's adapters; otherwise a LoRA run's pi_ref is its base."""
+  return bool(cfg.loss.kl_coef) and (not cfg.lora.rank or adapters_cold_start(cfg))
 
 
 def restore_base(frozen: Frozen, run_dir: str) -> None:
@@ -192,9 +247,10 @@ def restore_base(frozen: Frozen, run_dir: str) -> None:
 
 
 def cold_start_view(run):
-  """The run the cold start trains: `run` itself, or for a LoRA run the whole base model
-  (its full layout and programs, the base as `state.params`)."""
-  if run.frozen is None:
+  """The run the cold start trains: `run` itself (a full run, or a LoRA run whose cold start
+  trains the adapters), or for a LoRA run the whole base model (its full layout and
+  programs, the base as `state.params`)."""
+  if run.frozen is None or adapters_cold_start(run.cfg):
     return run
   f = run.frozen
   return dataclasses.replace(run, state=run.state.replace(params=f.weights(), opt_state=None),

@@ -310,6 +310,11 @@ def test_cost_script_counts_a_real_models_state_without_building_it(tmp_path):
   D, Q, C, F = 1024, 16 * 128, 8 * 128, 3072
   per_layer = 8 * ((D + Q) * 2 + (D + C) * 2 + (D + F) * 3)
   assert low["param_bytes"] == 4 * 28 * per_layer
+  # An int8 base: each dense weight entry 1 byte instead of 2, plus a float32 scale per
+  # output channel (q: Q, k and v: C, o: D, gate and up: F, down: D).
+  dense, scales = 2 * D * Q + 2 * D * C + 3 * D * F, Q + 2 * C + 2 * D + 2 * F
+  assert low["frozen_base_int8_bytes"] == (low["frozen_base_bytes"] - 28 * dense
+                                           + 4 * 28 * scales)
 
 
 # -- exports -------------------------------------------------------------------------------
