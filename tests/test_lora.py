@@ -299,6 +299,20 @@ def test_cost_script_measures_both_runs(tmp_path):
   assert (tmp_path / "benchmark_lora_cost.json").exists()
 
 
+def test_curve_script_records_a_runs_heldout_curve(tmp_path):
+  from experiments import lora_curve
+  smoke = os.path.join(os.path.dirname(__file__), "..", "configs", "addition_tiny_lora.py:smoke")
+  with pytest.raises(SystemExit, match="--variant full: .* lora.rank = 8"):
+    lora_curve.main(["--variant", "full", "--config", smoke, "--out", str(tmp_path)])
+  record = lora_curve.main(["--variant", "lora", "--config", smoke, "--set", "iterations=2",
+                            "eval_every=1", "eval_size=8", "sft.steps=2", "--out", str(tmp_path)])
+  assert [p[0] for p in record["heldout_curve"]] == [0, 1, 2]
+  assert record["lora"]["rank"] == 8 and record["frozen_base_bytes"] > 0
+  assert 3 * record["param_bytes"] <= record["update_state_bytes"] < 3.1 * record["param_bytes"]
+  saved = json.load(open(tmp_path / "summary.json"))
+  assert saved["lora"]["heldout_curve"] == record["heldout_curve"]
+
+
 def test_cost_script_counts_a_real_models_state_without_building_it(tmp_path):
   from experiments import lora_cost
   record = lora_cost.main(["--shapes", "qwen3_0_6b", "--rank", "8", "--out", str(tmp_path)])
