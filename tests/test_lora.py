@@ -313,6 +313,13 @@ def test_curve_script_records_a_runs_heldout_curve(tmp_path):
   assert saved["lora"]["heldout_curve"] == record["heldout_curve"]
 
 
+def test_cost_script_times_the_int8_and_float_products(tmp_path):
+  from experiments import lora_cost
+  record = lora_cost.main(["--dot", "--quick", "--out", str(tmp_path)])
+  assert set(record["dot_s"]) == {"float32", "dequantised_int8", "int8_int8_int32"}
+  assert all(t > 0 for t in record["dot_s"].values())
+
+
 def test_cost_script_counts_a_real_models_state_without_building_it(tmp_path):
   from experiments import lora_cost
   record = lora_cost.main(["--shapes", "qwen3_0_6b", "--rank", "8", "--out", str(tmp_path)])
