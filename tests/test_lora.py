@@ -229,11 +229,40 @@ RESUME_CFG = tiny_cfg(iterations=4, lora=LORA, loss=C.LossConfig(kl_coef=0.1),
                       sft=C.SFTConfig(steps=10, batch_size=32, learning_rate=3e-3))
 
 
+def trained_run(tmp_path_factory, name, cfg, every):
+  run_dir = tmp_path_factory.mktemp(name) / "run"
+  T.train(cfg, str(run_dir), checkpoint_every=every, progress=False)
+  return run_dir
+
+
+def assert_resume_is_exact(cfg, trained, part, step, every, refused=()):
+  """`trained` (a finished run of `cfg`) copied to `part` as stopped after `step`: each
+  (changed config, message) of `refused` is refused with nothing in `part` changed; resuming
+  `cfg` then gives every metric and every array (adapters, optimiser state, base) of the
+  uninterrupted run."""
+  part = interrupted_copy(trained, part, step)
+  before = sorted((p.relative_to(part), p.stat().st_mtime_ns) for p in part.rglob("*"))
+  for changed, match in refused:
+    with pytest.raises(ValueError, match=match):
+      T.train(changed, str(part), resume=True, progress=False)
+  assert sorted((p.relative_to(part), p.stat().st_mtime_ns) for p in part.rglob("*")) == before
+  T.train(cfg, str(part), resume=True, checkpoint_every=every, progress=False)
+  a, b = read_metrics(trained), read_metrics(part)
+  assert [r["step"] for r in b] == list(range(1, cfg.iterations + 1))
+  for ra, rb in zip(a, b):
+    for k in ("reward_mean", "loss", "kl", "grad_norm"):
+      assert ra[k] == rb[k], (ra["step"], k)
+  full, resumed = R.load_run(str(trained)), R.load_run(str(part))
+  for x, y in zip(leaves((full.state.params, full.state.opt_state, full.frozen.params)),
+                  leaves((resumed.state.params, resumed.state.opt_state,
+                          resumed.frozen.params))):
+    np.testing.assert_array_equal(x, y)
+  return resumed
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-  run_dir = tmp_path_factory.mktemp("trained") / "run"
-  T.train(RESUME_CFG, str(run_dir), checkpoint_every=2, progress=False)
-  return run_dir
+  return trained_run(tmp_path_factory, "trained", RESUME_CFG, 2)
 
 
 def test_checkpoints_hold_adapters_and_a_pointer_to_the_base(trained):
@@ -252,26 +281,11 @@ def test_checkpoints_hold_adapters_and_a_pointer_to_the_base(trained):
 
 
 def test_resume_is_exact_and_other_lora_settings_are_refused(trained, tmp_path):
-  part = interrupted_copy(trained, tmp_path / "part", 2)
-  before = sorted((p.relative_to(part), p.stat().st_mtime_ns) for p in part.rglob("*"))
-  for change, field in (({"lora": C.LoRAConfig()}, "lora.rank: saved 4, requested 0"),
-                        ({"lora": dataclasses.replace(LORA, rank=2)}, "lora.rank"),
-                        ({"lora": dataclasses.replace(LORA, targets=("q",))}, "lora.targets")):
-    with pytest.raises(ValueError, match=field):
-      T.train(dataclasses.replace(RESUME_CFG, **change), str(part), resume=True, progress=False)
-  assert sorted((p.relative_to(part), p.stat().st_mtime_ns) for p in part.rglob("*")) == before
-  T.train(RESUME_CFG, str(part), resume=True, checkpoint_every=2, progress=False)
-  a, b = read_metrics(trained), read_metrics(part)
-  assert [r["step"] for r in b] == [1, 2, 3, 4]
-  for ra, rb in zip(a, b):
-    for k in ("reward_mean", "loss", "kl", "grad_norm"):
-      assert ra[k] == rb[k], (ra["step"], k)
-  full, resumed = R.load_run(str(trained)), R.load_run(str(part))
-  for x, y in zip(leaves((full.state.params, full.state.opt_state)),
-                  leaves((resumed.state.params, resumed.state.opt_state))):
-    np.testing.assert_array_equal(x, y)
-  for x, y in zip(leaves(full.frozen.params), leaves(resumed.frozen.params)):
-    np.testing.assert_array_equal(x, y)
+  changed = lambda lc: dataclasses.replace(RESUME_CFG, lora=lc)
+  assert_resume_is_exact(RESUME_CFG, trained, tmp_path / "part", 2, 2, refused=(
+      (changed(C.LoRAConfig()), "lora.rank: saved 4, requested 0"),
+      (changed(dataclasses.replace(LORA, rank=2)), "lora.rank"),
+      (changed(dataclasses.replace(LORA, targets=("q",))), "lora.targets")))
 
 
 def test_without_a_cold_start_the_base_is_the_initial_model(tmp_path):

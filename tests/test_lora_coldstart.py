@@ -14,9 +14,8 @@ from flax import nnx
 from gspo_jax import checkpoint, lora, lora_run
 from gspo_jax import config as C
 from gspo_jax import run as R
-from gspo_jax import train as T
-from tests.helpers import host, interrupted_copy, leaves, read_metrics, tiny_cfg
-from tests.test_lora import LORA
+from tests.helpers import host, leaves, read_metrics, tiny_cfg
+from tests.test_lora import LORA, assert_resume_is_exact, trained_run
 
 ADAPTERS = dataclasses.replace(LORA, base_dtype="int8", cold_start="adapters")
 CFG = tiny_cfg(iterations=2, lora=ADAPTERS, loss=C.LossConfig(kl_coef=0.1),
@@ -25,9 +24,7 @@ CFG = tiny_cfg(iterations=2, lora=ADAPTERS, loss=C.LossConfig(kl_coef=0.1),
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-  run_dir = tmp_path_factory.mktemp("adapters_cold") / "run"
-  T.train(CFG, str(run_dir), checkpoint_every=1, progress=False)
-  return run_dir
+  return trained_run(tmp_path_factory, "adapters_cold", CFG, 1)
 
 
 def restore(run_dir, name, target, step):
@@ -61,18 +58,9 @@ def test_the_cold_start_trains_the_adapters_on_the_initial_base(trained):
 
 
 def test_resume_after_an_adapter_cold_start_is_exact(trained, tmp_path):
-  part = interrupted_copy(trained, tmp_path / "part", 1)
-  with pytest.raises(ValueError, match="lora.cold_start"):
-    T.train(dataclasses.replace(CFG, lora=dataclasses.replace(ADAPTERS, cold_start="full")),
-            str(part), resume=True, progress=False)
-  T.train(CFG, str(part), resume=True, checkpoint_every=1, progress=False)
-  for ra, rb in zip(read_metrics(trained), read_metrics(part)):
-    for k in ("reward_mean", "loss", "kl", "grad_norm"):
-      assert ra[k] == rb[k], (ra["step"], k)
-  a, b = R.load_run(str(trained)), R.load_run(str(part))
-  for x, y in zip(leaves((a.state.params, a.state.opt_state)),
-                  leaves((b.state.params, b.state.opt_state))):
-    np.testing.assert_array_equal(x, y)
+  assert_resume_is_exact(CFG, trained, tmp_path / "part", 1, 1, refused=(
+      (dataclasses.replace(CFG, lora=dataclasses.replace(ADAPTERS, cold_start="full")),
+       "lora.cold_start"),))
 
 
 def test_the_sft_program_trains_only_the_adapters(tmp_path):

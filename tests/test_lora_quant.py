@@ -16,10 +16,10 @@ from flax import nnx
 from gspo_jax import lora, lora_export, lora_quant, step
 from gspo_jax import config as C
 from gspo_jax import run as R
-from gspo_jax import train as T
 from gspo_jax.rollout import rollout_step
-from tests.helpers import TINY_MODEL, host, interrupted_copy, leaves, read_metrics, tiny_cfg
-from tests.test_lora import LORA, adapted_logprobs, plain_logprobs, train_steps
+from tests.helpers import TINY_MODEL, host, leaves, tiny_cfg
+from tests.test_lora import (LORA, adapted_logprobs, assert_resume_is_exact, plain_logprobs,
+                             train_steps, trained_run)
 
 INT8 = dataclasses.replace(LORA, base_dtype="int8")
 
@@ -129,24 +129,14 @@ def test_prepare_and_update_see_the_same_base(runs):
                          host(r.batch.old_logp_BxGxT)[mask], atol=1e-6)
 
 
-def test_resume_restores_the_int8_base_exactly(tmp_path):
+def test_resume_restores_the_int8_base_exactly(tmp_path_factory, tmp_path):
   cfg = tiny_cfg(iterations=2, lora=INT8, loss=C.LossConfig(kl_coef=0.1),
                  sft=C.SFTConfig(steps=4, batch_size=32, learning_rate=3e-3))
-  full = tmp_path / "full"
-  T.train(cfg, str(full), checkpoint_every=1, progress=False)
-  part = interrupted_copy(full, tmp_path / "part", 1)
-  with pytest.raises(ValueError, match="lora.base_dtype"):
-    T.train(dataclasses.replace(cfg, lora=LORA), str(part), resume=True, progress=False)
-  T.train(cfg, str(part), resume=True, checkpoint_every=1, progress=False)
-  for ra, rb in zip(read_metrics(full), read_metrics(part)):
-    for k in ("reward_mean", "loss", "kl", "grad_norm"):
-      assert ra[k] == rb[k], (ra["step"], k)
-  a, b = R.load_run(str(full)), R.load_run(str(part))
-  assert {v[...].dtype for p, v in nnx.to_flat_state(b.frozen.params)
+  full = trained_run(tmp_path_factory, "int8_full", cfg, 1)
+  resumed = assert_resume_is_exact(cfg, full, tmp_path / "part", 1, 1, refused=(
+      (dataclasses.replace(cfg, lora=LORA), "lora.base_dtype"),))
+  assert {v[...].dtype for p, v in nnx.to_flat_state(resumed.frozen.params)
           if p[-1] == lora_quant.QUANT} == {jnp.dtype(jnp.int8)}
-  for x, y in zip(leaves((a.frozen.params, a.state.params)), leaves((b.frozen.params,
-                                                                       b.state.params))):
-    np.testing.assert_array_equal(x, y)
 
 
 def test_the_planner_counts_the_int8_base():
