@@ -75,10 +75,6 @@ def dequantize(base: nnx.State) -> nnx.State:
   return nnx.from_flat_state(flat)
 
 
-def is_quantized(base: nnx.State) -> bool:
-  return any(p[-1] == QUANT for p, _ in nnx.to_flat_state(base))
-
-
 def abstract(full_abstract: nnx.State, inputs: dict[tuple, int]) -> nnx.State:
   """The quantised state's abstract shapes and logical axes (no arrays built)."""
   return jax.eval_shape(lambda p: quantize(p, inputs), full_abstract)

@@ -169,7 +169,7 @@ def make_programs(graphdef, tx, cfg, layout: Layout, tok, frozen: Frozen) -> Pro
                               in_shardings=(fs, ps, sft_os, (rows(2), rows(1), rows(2), rows(2))),
                               out_shardings=(ps, sft_os, rep), donate_argnums=(1, 2)))
     sft_init = jax.jit(sft_tx.init, in_shardings=(ps,), out_shardings=sft_os)
-  ref_sh = ps if cfg.loss.kl_coef and adapters_cold_start(cfg) else None
+  ref_sh = ps if trains_reference(cfg) else None  # an adapter cold start's adapters
   return Programs(
       init=jax.jit(init, in_shardings=(ps,), out_shardings=layout.state),
       sample=sampler(rollout_cfg, dtype=cfg.rollout.sampler_dtype, rollout=True,
@@ -210,16 +210,18 @@ def freeze(frozen: Frozen, params, run_dir: str, cfg, *, trained: bool,
 
 
 def start_rl(run, params, run_dir: str):
-  """The state RL starts from after the cold start returned `params`: a full run's policy,
-  an adapter cold start's adapters (fresh optimiser state; the base stays the initial
-  model), or a whole-model cold start's policy frozen as the base (adapters at B = 0)."""
+  """The state RL starts from after the cold start returned `params`: a full run's policy;
+  for a LoRA run, the adapters of an adapter cold start (fresh optimiser state), or a
+  whole-model cold start's policy frozen as the base (adapters at B = 0). Without a cold
+  start, or after an adapter one, the base stays the initial model as stored (an int8 base
+  is not quantised twice)."""
   cfg = run.cfg
   if run.frozen is None:
     return run.programs.init(params)
-  if adapters_cold_start(cfg):
+  if cfg.sft.steps <= 0 or adapters_cold_start(cfg):
     freeze(run.frozen, run.frozen.params, run_dir, cfg, trained=False, stored=True)
-    return run.programs.init(params)
-  freeze(run.frozen, params, run_dir, cfg, trained=cfg.sft.steps > 0)
+    return run.programs.init(params) if adapters_cold_start(cfg) else run.state
+  freeze(run.frozen, params, run_dir, cfg, trained=True)
   return run.state
 
 
@@ -247,10 +249,10 @@ def restore_base(frozen: Frozen, run_dir: str) -> None:
 
 
 def cold_start_view(run):
-  """The run the cold start trains: `run` itself (a full run, or a LoRA run whose cold start
-  trains the adapters), or for a LoRA run the whole base model (its full layout and
-  programs, the base as `state.params`)."""
-  if run.frozen is None or adapters_cold_start(run.cfg):
+  """The run the cold start trains: `run` itself (a full run, a LoRA run whose cold start
+  trains the adapters, or one without a cold start), or for a LoRA run the whole base model
+  (its full layout and programs, the base as `state.params`, dequantised)."""
+  if run.frozen is None or adapters_cold_start(run.cfg) or run.cfg.sft.steps <= 0:
     return run
   f = run.frozen
   return dataclasses.replace(run, state=run.state.replace(params=f.weights(), opt_state=None),

@@ -288,17 +288,26 @@ def test_resume_is_exact_and_other_lora_settings_are_refused(trained, tmp_path):
       (changed(dataclasses.replace(LORA, targets=("q",))), "lora.targets")))
 
 
-def test_without_a_cold_start_the_base_is_the_initial_model(tmp_path):
-  cfg = lora_cfg(iterations=1)
+@pytest.mark.parametrize("base_dtype", ["", "int8"])
+def test_without_a_cold_start_the_base_is_the_initial_model(tmp_path, base_dtype):
+  """(An int8 base: quantised once, at setup; a load quantises the rebuilt model again,
+  the same program on the same weights.)"""
+  cfg = lora_cfg(iterations=1, lora=dataclasses.replace(LORA, base_dtype=base_dtype))
   T.train(cfg, str(tmp_path / "run"), progress=False)
   pointer = json.loads((tmp_path / "run" / lora_run.POINTER).read_text())
-  assert pointer == {"base": "initial model", "pretrained": "", "seed": 0, "lora_rank": 4}
+  assert pointer == {"base": "initial model", "pretrained": "", "seed": 0, "lora_rank": 4,
+                     **({"base_dtype": base_dtype} if base_dtype else {})}
   assert not (tmp_path / "run" / lora_run.BASE_DIR).exists()  # rebuilt from model + seed
   loaded = R.load_run(str(tmp_path / "run"))
   fresh = R.setup(cfg, str(tmp_path / "run"))
   for x, y in zip(leaves(loaded.frozen.params), leaves(fresh.frozen.params)):
     np.testing.assert_array_equal(x, y)
   assert int(loaded.state.step) == 1  # the checkpoint's adapters and optimiser state
+  # The start of RL keeps the stored base (no dequantised copy, no second quantisation).
+  stored = jax.tree.leaves(fresh.frozen.params)
+  assert lora_run.cold_start_view(fresh) is fresh
+  lora_run.start_rl(fresh, fresh.state.params, str(tmp_path / "run"))
+  assert all(x is y for x, y in zip(jax.tree.leaves(fresh.frozen.params), stored))
 
 
 def test_cost_script_measures_both_runs(tmp_path):
