@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gspo_jax import lora, lora_export, lora_quant, step
+from gspo_jax import lora, lora_export, lora_quant, sharding, step
 from gspo_jax import config as C
 from gspo_jax import run as R
 from gspo_jax.rollout import rollout_step
 from tests.helpers import TINY_MODEL, host, leaves, tiny_cfg
-from tests.test_lora import (LORA, adapted_logprobs, assert_resume_is_exact, plain_logprobs,
-                             train_steps, trained_run)
+from tests.test_lora import (LORA, adapted_logprobs, assert_resume_is_exact, one_update,
+                             plain_logprobs, sharded_cfg, train_steps, trained_run)
 
 INT8 = dataclasses.replace(LORA, base_dtype="int8")
 
@@ -137,6 +137,29 @@ def test_resume_restores_the_int8_base_exactly(tmp_path_factory, tmp_path):
       (dataclasses.replace(cfg, lora=LORA), "lora.base_dtype"),))
   assert {v[...].dtype for p, v in nnx.to_flat_state(resumed.frozen.params)
           if p[-1] == lora_quant.QUANT} == {jnp.dtype(jnp.int8)}
+
+
+def test_an_int8_base_on_8_devices_takes_one_devices_first_update(run_dir):
+  """fsdp 8: each int8 array sharded as its float weight was (the scales by its output
+  axes), and the first update equal to one device's within float32 reduction order."""
+  cfg = lambda mesh: dataclasses.replace(sharded_cfg(mesh), lora=INT8)
+  one = R.setup(cfg(sharding.MeshConfig(num_devices=1)), run_dir)
+  many = R.setup(cfg(sharding.MeshConfig(data=1, fsdp=8)), run_dir)
+  (b1, _, m1), (b8, _, m8) = one_update(one), one_update(many)
+  for name in ("old_logp_BxGxT", "ref_logp_BxGxT"):
+    np.testing.assert_allclose(host(getattr(b8, name)), host(getattr(b1, name)), atol=2e-5)
+  for k in ("loss", "grad_norm", "kl"):
+    assert float(m8[k]) == pytest.approx(float(m1[k]), rel=1e-5, abs=1e-6), k
+  flat = dict(nnx.to_flat_state(many.frozen.params))
+  full = dict(nnx.to_flat_state(many.frozen.layout.state.params))
+  mesh = many.layout.mesh
+  for path in lora.dense_weights(many.frozen.layout.params):
+    q, s = flat[(*path, lora_quant.QUANT)][...], flat[(*path, lora_quant.SCALE)]
+    assert q.sharding.spec == full[path].get_value().spec
+    assert s[...].sharding.spec == sharding.spec_for(s.get_metadata()["logical_axes"],
+                                                     s[...].shape, mesh)
+  q = flat[("layers", 0, "attn", "q", lora_quant.QUANT)][...]
+  assert {sh.data.shape for sh in q.addressable_shards} == {(4, 2, 16)}  # D = 32 split 8 ways
 
 
 def test_the_planner_counts_the_int8_base():
