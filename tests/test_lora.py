@@ -334,6 +334,15 @@ def test_curve_script_records_a_runs_heldout_curve(tmp_path):
   assert 3 * record["param_bytes"] <= record["update_state_bytes"] < 3.1 * record["param_bytes"]
   saved = json.load(open(tmp_path / "summary.json"))
   assert saved["lora"]["heldout_curve"] == record["heldout_curve"]
+  # --from-run: the finished run recorded again, without training (no step 0, no seconds).
+  args = ["--variant", "lora", "--config", smoke, "--out", str(tmp_path), "--from-run",
+          str(tmp_path / "runs" / "lora"), "--set", "eval_every=1", "eval_size=8", "sft.steps=2"]
+  with pytest.raises(SystemExit, match="its config.json is not"):
+    lora_curve.main(args + ["iterations=3"])
+  again = lora_curve.main(args + ["iterations=2"])
+  assert again["heldout_curve"] == record["heldout_curve"][1:]
+  assert again["train_seconds"] is None and again["peak_rss_mib"] is None
+  assert again["update_state_bytes"] == record["update_state_bytes"]
 
 
 def test_cost_script_times_the_int8_and_float_products(tmp_path):
