@@ -72,7 +72,7 @@ class _Item:
   launched: rollout_lib.Launched | None
   result: rollout_lib.RolloutResult | None = None
   sampled: Ready | None = None     # the sampler's device statistics ready
-  start: float = 0.0               # when the sampler could start (dispatch, its parameters)
+  start: float = 0.0               # when it was dispatched
   copy: dict | None = None         # the weight copy's bytes and timing
   # pi_old="proximal": (rollout, prompts_BxP, lens_B), which the trainer prepares
   rows: tuple | None = None
@@ -109,7 +109,6 @@ class Pipeline:
     run, side = self.run, self.side
     params, key, copy = run.state.params, run.state.key, None
     t = time.perf_counter()
-    start = max(t, self.version_ready.get(version) or t)
     if side is not None:  # the parameters, copied to the sampler's shardings
       # From a copy on the trainer (one more copy of the parameters there, briefly): the
       # next update donates `params`, and the transfer must not depend on the runtime
@@ -126,7 +125,7 @@ class Pipeline:
         programs=side.programs if side is not None else None,
         mesh=side.layout.mesh if side is not None else None,
         prepare=not self.proximal, wait=self.sync)
-    return _Item(step, version, launched, sampled=Ready(launched.device_stats), start=start,
+    return _Item(step, version, launched, sampled=Ready(launched.device_stats), start=t,
                  copy=copy)
 
   def rollout(self, it: int) -> rollout_lib.RolloutResult:
@@ -151,8 +150,7 @@ class Pipeline:
              "staleness": float(it - item.version)}
     if item.copy is not None:
       stats["weight_copy_bytes"] = float(item.copy["bytes"])
-      stats["time_weight_copy"] = item.copy["ready"].get() - max(
-          item.copy["dispatch"], self.version_ready.get(item.version) or 0.0)
+      stats["time_weight_copy"] = item.copy["time"]
     return dataclasses.replace(r, batch=batch, stats=stats)
 
   def _finish(self, item: _Item) -> None:
@@ -163,13 +161,22 @@ class Pipeline:
     r = rollout_lib.finish(self.run, item.launched, log=self.log,
                            rows_mesh=self.run.layout.mesh)
     sampled = item.sampled.get()
-    start = item.start if item.copy is None else max(item.start, item.copy["ready"].get())
-    if "time_sample" not in item.launched.phases:
-      r.stats["time_sample"] = sampled - start   # dispatch (or inputs) to ready
-    self._event(item.step, "sample", start, sampled)
-    self._event(item.step, "score", max(t, sampled), time.perf_counter())
+    self._flush(final=False)
+    # A device phase starts at the later of its dispatch and its inputs' readiness (the
+    # version's parameters, then their copy); the waiting threads wake in any order, so
+    # every start is kept at or before its end.
+    inputs = max(item.start, self.version_ready.get(item.version) or item.start)
     if item.copy is not None:
-      self._event(item.step, "weight_copy", item.start, item.copy["ready"].get())
+      copied = item.copy["ready"].get()
+      inputs = min(inputs, copied)
+      item.copy["time"] = copied - inputs
+      self._event(item.step, "weight_copy", inputs, copied)
+      inputs = copied
+    inputs = min(inputs, sampled)
+    if "time_sample" not in item.launched.phases:
+      r.stats["time_sample"] = sampled - inputs
+    self._event(item.step, "sample", inputs, sampled)
+    self._event(item.step, "score", max(t, sampled), time.perf_counter())
     item.result = r
     if self.proximal:
       L = item.launched

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gspo_jax import config as C, pipeline, rollout as rollout_lib, sharding, train as T
+from gspo_jax import config as C, pipeline, sharding, train as T
 from gspo_jax.placement import AsyncConfig, PlacementConfig
 from gspo_jax.run import setup
 from tests.helpers import interrupted_copy, leaves, read_metrics, tiny_cfg
