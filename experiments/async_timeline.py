@@ -12,7 +12,7 @@ timeline shows whether the phases overlap in time, not a speed-up a TPU slice wo
     python -m experiments.async_timeline [--iterations 8] [--record]
 
 Writes under runs/results/async_timeline (experiments/results/ with --record):
-runs/k<k>/ (each run's directory, with timeline.jsonl), timeline.json (per k: iteration
+runs/k<k>/ (each run's directory, with timeline.jsonl), summary.json (per k: iteration
 time, weight copy bytes and ms, the share of update time the sampler ran alongside) and
 timeline.png.
 """
@@ -109,7 +109,7 @@ def main(argv=None) -> dict:
     timelines[k] = [e for e in events if e["iteration"] >= args.skip]
     record[f"k{k}"] = {**summarise(events, rows, args.skip), "events": timelines[k]}
   record["command"] = "python -m experiments.async_timeline " + " ".join(argv or [])
-  with open(os.path.join(out, "timeline.json"), "w") as f:
+  with open(os.path.join(out, "summary.json"), "w") as f:
     json.dump(record, f, indent=2)
   print(json.dumps(record, indent=2), plot(timelines, out))
   return record
