@@ -81,7 +81,8 @@ def _assemble(cfg: TrainConfig, graphdef, params, tx, mesh, tok):
   programs = make_programs(graphdef, tx, cfg, layout, tok)
   if not cfg.lora.rank:
     return layout, programs, None, params
-  frozen = lora_run.Frozen(params, layout, cfg.lora.scale, programs)
+  frozen = lora_run.Frozen(None, layout, cfg.lora.scale, programs, cfg.lora.base_dtype)
+  frozen.params = frozen.store(params)
   layout, adapters = lora_run.adapter_layout(params, tx, mesh, cfg)
   programs = lora_run.make_programs(graphdef, tx, cfg, layout, tok, frozen)
   return layout, programs, frozen, adapters

@@ -230,10 +230,9 @@ def train(cfg: TrainConfig, run_dir: str, *, resume: bool = False, checkpoint_ev
       cold = lora_run.cold_start_view(run)  # LoRA: the whole base model
       probe = lambda params, examples: evaluate.evaluate(cold, params, examples)["accuracy"]
       params = coldstart.cold_start(cold, probe_accuracy=probe, log=_log)
-      if run.frozen is None:
-        run.state = run.programs.init(params)
-      else:  # LoRA: the cold start's policy is the frozen base; the adapters start at B = 0
-        lora_run.freeze(run.frozen, params, run_dir, cfg, trained=cfg.sft.steps > 0)
+      # LoRA: the cold start's policy is the frozen base and the adapters start at B = 0,
+      # or (lora.cold_start = "adapters") RL goes on training the cold start's adapters.
+      run.state = lora_run.start_rl(run, params, run_dir)
       ckpt.maybe_save(0, run.state, force=True)
       start = 0
     if jax.process_index() == 0:  # the run has really started (or been restored)
@@ -253,9 +252,10 @@ def train(cfg: TrainConfig, run_dir: str, *, resume: bool = False, checkpoint_ev
     _log(f"held-out accuracy at step {start}: {summary['heldout_accuracy_start']:.3f}")
     writer = metrics.MetricsWriter(run_dir, total=cfg.iterations, initial=start,
                                    progress=progress)
-    # A LoRA run's reference is its frozen base, read inside `prepare` (nothing to pass).
+    # A LoRA run's reference is its frozen base, read inside `prepare` (nothing to pass),
+    # unless its cold start trained adapters: then the base with those (saved like a policy).
     ref_params = (reference_params(run, run_dir, fresh=start == 0)
-                  if cfg.loss.kl_coef and run.frozen is None else None)
+                  if lora_run.trains_reference(cfg) else None)
     rollouts = None
     if pipeline.is_async(cfg):  # the sampler ahead of the trainer (gspo_jax/pipeline.py)
       try:
