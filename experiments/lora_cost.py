@@ -4,6 +4,7 @@ the update's seconds, full fine-tuning beside LoRA, on the same rollout batch.
     python -m experiments.lora_cost --config configs/addition_tiny_lora.py [--repeats 5]
     python -m experiments.lora_cost --config configs/addition_tiny_lora.py:smoke --quick
     python -m experiments.lora_cost --shapes qwen3_8b --rank 16    # bytes only, nothing run
+    python -m experiments.lora_cost --dot                         # int8 vs float matmul
 
 Both runs are set up from the config (the full one with `lora.rank = 0`), with no cold start
 (the comparison is of programs, not of what they learned). Bytes: every array of the
@@ -16,7 +17,13 @@ runs/results/benchmark_lora_cost.json (`--out DIR`: elsewhere).
 `--shapes MODEL` counts the same bytes for a real model's shapes without building it
 (`jax.eval_shape`): full fine-tuning with float32 master parameters and Adam, against LoRA
 with the base frozen in bfloat16 (it takes no optimiser step, so it needs no float32 copy)
-and float32 adapters and Adam. Activations and temporaries are not counted.
+or in int8 (`lora.base_dtype`: the dense weights int8 with float32 scales per output channel,
+the rest bfloat16) and float32 adapters and Adam. Activations and temporaries are not counted.
+
+`--dot` times one 512 x 2048 by 2048 x 2048 product three ways on this machine's device:
+float32, float32 by an int8 weight dequantised in the same program (what an int8 base's
+programs do), and XLA's int8 x int8 -> int32 dot (which `lora.base_dtype = "int8"` does
+not use; docs/lora.md says why). Median of `--repeats` calls, the three interleaved.
 """
 
 from __future__ import annotations
@@ -24,13 +31,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import tempfile
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from experiments import _bench
-from gspo_jax import configlib, lora, sharding
+from gspo_jax import configlib, lora, lora_quant, sharding
 from gspo_jax import run as R
 from gspo_jax.config import SFTConfig, TrainConfig
 from gspo_jax.lora import LoRAConfig
@@ -80,7 +88,31 @@ def state_bytes(model: str, rank: int, alpha: float) -> dict:
   return {"model": model, "rank": rank,
           "full": {"param_bytes": lora.num_bytes(full), "opt_bytes": opt(full)},
           "lora": {"param_bytes": lora.num_bytes(adapters), "opt_bytes": opt(adapters),
-                   "frozen_base_bytes": lora.num_bytes(base)}}
+                   "frozen_base_bytes": lora.num_bytes(base),
+                   "frozen_base_int8_bytes": lora.num_bytes(
+                       lora_quant.abstract(base, lora.dense_weights(base)))}}
+
+
+def dot_seconds(repeats: int) -> dict:
+  """Median seconds of the three products of `--dot` (module docstring), interleaved."""
+  x = jax.random.normal(jax.random.key(0), (512, 2048))
+  w = jax.random.normal(jax.random.key(1), (2048, 2048))
+  q = lambda a: jnp.clip(jnp.round(a * 20), -127, 127).astype(jnp.int8)
+  scale = jnp.full((1, 2048), 0.05, jnp.float32)  # one per output channel
+  fns = {"float32": (jax.jit(lambda a, b: a @ b), (x, w)),
+         "dequantised_int8": (jax.jit(lambda a, b, s: a @ (b.astype(jnp.float32) * s)),
+                              (x, q(w), scale)),
+         "int8_int8_int32": (jax.jit(lambda a, b: jax.lax.dot(
+             a, b, preferred_element_type=jnp.int32)), (q(x), q(w)))}
+  times = {name: [] for name in fns}
+  for f, args in fns.values():
+    f(*args).block_until_ready()
+  for _ in range(repeats):
+    for name, (f, args) in fns.items():
+      t0 = time.perf_counter()
+      f(*args).block_until_ready()
+      times[name].append(time.perf_counter() - t0)
+  return {name: float(np.median(t)) for name, t in times.items()}
 
 
 def main(argv=None) -> dict:
@@ -93,7 +125,14 @@ def main(argv=None) -> dict:
                  help="bytes only, for a real model's shapes (nothing is built or run)")
   p.add_argument("--rank", type=int, default=16, help="with --shapes")
   p.add_argument("--alpha", type=float, default=32.0, help="with --shapes")
+  p.add_argument("--dot", action="store_true", help="time int8 and float matmuls only")
   args = p.parse_args(argv)
+  if args.dot:
+    record = {"dot_s": dot_seconds(2 if args.quick else args.repeats),
+              "machine": _bench.machine()}
+    print(", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in record["dot_s"].items()))
+    _bench.write("lora_int8_dot", record, args.out)
+    return record
   if args.shapes:
     record = state_bytes(args.shapes, args.rank, args.alpha)
     gib = lambda b: f"{b / 2**30:,.2f} GiB"
@@ -102,7 +141,7 @@ def main(argv=None) -> dict:
           f"{gib(full['opt_bytes'])} Adam = {gib(full['param_bytes'] + full['opt_bytes'])}")
     print(f"LoRA r={args.rank}: {gib(low['param_bytes'])} adapters + {gib(low['opt_bytes'])} "
           f"Adam = {gib(low['param_bytes'] + low['opt_bytes'])}, frozen bfloat16 base "
-          f"{gib(low['frozen_base_bytes'])}")
+          f"{gib(low['frozen_base_bytes'])} (int8 base: {gib(low['frozen_base_int8_bytes'])})")
     _bench.write(f"lora_state_{args.shapes}", record, args.out)
     return record
   cfg = configlib.load_config(args.config)

@@ -20,6 +20,7 @@ import sys
 import numpy as np
 
 from experiments import _results, _stats
+from experiments._readme_async import async_timeline
 from experiments._readme_stability import (clip_vs_length, multiturn, multiturn_comparisons,
                                            stability_grid, stability_seeds,
                                            stability_seeds_comparisons)
@@ -284,10 +285,34 @@ def long_bf16_gap() -> str:
                 "GSPO held-out, π_old = sampler − recomputed"], rows)
 
 
+def lora_curve() -> str:
+  """experiments/lora_curve.py's runs: held-out accuracy at each evaluation, full
+  fine-tuning beside LoRA, with their wall time, peak memory and update state ("—": not
+  recorded)."""
+  s = load("lora_curve")
+  mib = lambda b: f"{b / 2**20:,.1f} MiB" if b else "—"
+  steps = sorted({int(p[0]) for v in ("full", "lora") for p in s[v]["heldout_curve"]})
+  rows = []
+  for variant in ("full", "lora"):
+    c, lc = s[variant], s[variant]["lora"]
+    acc = {int(k): a for k, a in c["heldout_curve"]}
+    label = ("full fine-tuning" if variant == "full" else
+             f"LoRA r = {lc['rank']}, α = {lc['alpha']:g}" +
+             (f", {lc['base_dtype']} base" if lc["base_dtype"] else ""))
+    rows.append([label, f"{c['learning_rate']:g}", *(f3(acc[k]) if k in acc else "—"
+                                                      for k in steps),
+                 "—" if c["train_seconds"] is None else f"{c['train_seconds'] / 60:.1f} min",
+                 "—" if c["peak_rss_mib"] is None else f"{c['peak_rss_mib'] / 1024:.1f} GiB",
+                 mib(c["update_state_bytes"]), mib(c["frozen_base_bytes"])])
+  return table(["run", "learning rate", *(f"held-out, step {k}" for k in steps), "wall time",
+                "peak RSS", "update state", "frozen base"], rows)
+
+
 TABLES = {f.__name__: f for f in (
     gspo_vs_grpo, moe_routing, routing_replay, precision_gap, precision_training,
     gspo_token_equivalence, long, long_losses, long_moe, long_moe_bf16, long_moe_gap, long_bf16,
-    long_bf16_gap, stability_grid, stability_seeds, clip_vs_length, multiturn)}
+    long_bf16_gap, stability_grid, stability_seeds, clip_vs_length, multiturn, lora_curve,
+    async_timeline)}
 # Paired comparisons: the README's `<name>_paired` table and the figure
 # experiments/results/<dir>/paired.png (experiments/figures.py) come from the same list.
 PAIRED = {  # name -> (results dir, comparisons)

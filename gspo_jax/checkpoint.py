@@ -87,8 +87,12 @@ class Checkpointer:
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
 
+  def due(self, step: int, *, force: bool = False) -> bool:
+    """Whether `maybe_save(step, ..., force=force)` saves."""
+    return force or bool(self.every and step % self.every == 0)
+
   def maybe_save(self, step: int, state, *, force: bool = False) -> bool:
-    if not force and (not self.every or step % self.every):
+    if not self.due(step, force=force):
       return False
     state = jax.tree.map(_to_savable, state)
     return self.manager.save(step, args=ocp.args.StandardSave(state), force=force)

@@ -8,8 +8,9 @@ bad setting stops the run before any work.
 Config groups by concern: `task.*` (the problems and their rewards, `tasks.config`),
 `loss.*` (the objective and the KL term), `rollout.*`, `optim.*`, `sft.*`, `model.*`,
 `mesh.*` and one group per optional feature (`rollout_correction.*`, `multiturn.*`,
-`lora.*`). A group checks itself; `TrainConfig` checks what crosses groups.
-`--set loss=grpo` and `--set task=chain` are aliases of `loss.name` / `task.name`; the flat
+`lora.*`, `placement.*`, `asynchronous.*`). A group checks itself; `TrainConfig` checks what
+crosses groups. `--set loss=grpo` and `--set task=chain` are aliases of `loss.name` /
+`task.name`, `async.max_staleness` of `asynchronous.max_staleness`; the flat
 names of earlier versions (`eps_low`, `task_digits`, `data.train_file`, ...) are errors
 that name the new field, and a saved config.json that has them loads
 (`TrainConfig.migrate`).
@@ -27,6 +28,7 @@ from typing import Any, Literal
 from gspo_jax import _checks, expert_mesh, losses, sharding
 from gspo_jax.lora import LoRAConfig, check_model as check_lora
 from gspo_jax.optim import OptimConfig
+from gspo_jax.placement import AsyncConfig, PlacementConfig, check_config as check_async
 from gspo_jax.rollout_correction import RolloutCorrectionConfig
 from gspo_jax.row_skip import RowSkipConfig, refusals
 from gspo_jax.tasks.config import TaskConfig  # the task group (re-exported here)
@@ -266,6 +268,10 @@ class TrainConfig:
   # another: a chunks-th of its activations alive at once (the largest program of long
   # runs, `python -m gspo_jax.plan`); the same log-probs up to float rounding.
   prepare_chunks: int = 1
+  # The sampler on devices of its own, and up to k policy versions ahead of the trainer
+  # (gspo_jax/placement.py, docs/async.md); the defaults are the synchronous loop.
+  placement: PlacementConfig = PlacementConfig()
+  asynchronous: AsyncConfig = AsyncConfig()
 
   iterations: int = 50
   eval_every: int = 10
@@ -282,13 +288,16 @@ class TrainConfig:
   pretrained_dtype: str = "float32"
 
   # `--set NAME=VALUE` for a group's name field (configlib.apply_overrides).
-  ALIASES = {"loss": "loss.name", "task": "task.name"}
+  ALIASES = {"loss": "loss.name", "task": "task.name",
+             **{f"async.{f}": f"asynchronous.{f}" for f in ("max_staleness", "pi_old",
+                                                            "timeline")}}
   MOVED = MOVED
 
   def __post_init__(self):
     _checks.check_choice("config", "old_logp", self.old_logp, OLD_LOGP_SOURCES)
     _checks.check_choice("config", "routing", self.routing, ROUTING_MODES)
     check_truncation(self)
+    check_async(self)
     if self.rollout_correction.weights and self.old_logp == "sampler":
       raise ValueError(f"rollout_correction.level={self.rollout_correction.level!r} needs "
                        "old_logp='recompute': with old_logp='sampler' pi_old is the sampler, "

@@ -23,8 +23,9 @@ the rank axis is replicated. With `model.scan_layers` both lead with the `layers
 MoE expert weights (E, D, F) are refused (`check_model`): only dense MLPs and attention
 are adapted. How W' is formed: `merge` adds the product to the base weight, once per
 program call (the sampler merges once per rollout; the update merges inside the loss, so
-the gradient reaches A and B through the sum). Dropout on the adapter's input needs the
-unmerged path x A B and is refused.
+the gradient reaches A and B through the sum). A base stored in int8 (`base_dtype`,
+`gspo_jax.lora_quant`) is dequantised by `merge` first. Dropout on the adapter's input is
+refused (`LoRAConfig`: GSPO's ratios must be exactly 1 at theta = theta_old).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from gspo_jax import lora_quant
 from gspo_jax.models.config import ModelConfig
 
 Array = jax.Array
@@ -49,6 +51,7 @@ TARGETS: dict[str, tuple[tuple[str, str], int]] = {
     "gate": (("mlp", "gate"), 1), "up": (("mlp", "up"), 1), "down": (("mlp", "down"), 1),
 }
 MLP_TARGETS = ("gate", "up", "down")
+COLD_STARTS = ("full", "adapters")
 A, B = "lora_a", "lora_b"
 
 
@@ -57,16 +60,33 @@ class LoRAConfig:
   """The `lora` config group. rank r = 0: off (every parameter is trained).
 
   alpha: the adapters' scale is alpha / r (PEFT's `lora_alpha`). targets: which weights of
-  every layer get adapters (`TARGETS`). dropout: must be 0 (see the module docstring)."""
+  every layer get adapters (`TARGETS`). dropout: must be 0 (the message below says why).
+  base_dtype: "" (the base in the model's own dtype) or "int8" (`gspo_jax.lora_quant`).
+  cold_start: what the cold start (`sft.steps` > 0) trains: "full", the whole model, which
+  then becomes the frozen base (adapters from B = 0); or "adapters", the adapters on the
+  frozen initial base, which RL then goes on training (`gspo_jax.lora_run`)."""
   rank: int = 0
   alpha: float = 32.0
   targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
   dropout: float = 0.0
+  base_dtype: str = ""
+  cold_start: str = "full"
 
   def __post_init__(self):
     if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
       raise ValueError(f"lora.rank must be an int >= 1 (0 = LoRA off); got {self.rank!r}")
+    if self.base_dtype not in lora_quant.BASE_DTYPES:
+      raise ValueError(f"lora.base_dtype must be one of {lora_quant.BASE_DTYPES} ('' = the "
+                       f"model's own dtype; nf4 is not built); got {self.base_dtype!r}")
+    if self.cold_start not in COLD_STARTS:
+      raise ValueError(f"lora.cold_start must be one of {COLD_STARTS}; got {self.cold_start!r}")
     if not self.rank:
+      named = [f"lora.{k} = {v!r}" for k, v, off in (("base_dtype", self.base_dtype, ""),
+                                                     ("cold_start", self.cold_start, "full"))
+               if v != off]
+      if named:
+        raise ValueError(f"{', '.join(named)} needs lora.rank > 0 (only a LoRA run has a "
+                         "frozen base and adapters)")
       return
     if not (isinstance(self.alpha, (int, float)) and self.alpha > 0):
       raise ValueError(f"lora.alpha must be > 0 (the scale is alpha / rank); got {self.alpha!r}")
@@ -77,9 +97,14 @@ class LoRAConfig:
                        f"{targets!r}" + (f" ({', '.join(map(repr, unknown))} unknown)"
                                          if unknown else ""))
     if self.dropout != 0:
-      raise ValueError(f"lora.dropout must be 0: adapters are merged into the base weight "
-                       f"(W + alpha/r A B), which has no separate adapter input to drop out; "
-                       f"got {self.dropout!r}")
+      # GSPO's ratio (pi_theta / pi_old)^(1/|y|) must be exactly 1 at theta = theta_old (the
+      # first minibatch step): pi_old is the deterministic policy (prepare, the sampler), and
+      # a dropped-out pi_theta is another function, whose ratio noise would exceed GSPO's
+      # clip range (3e-4 / 4e-4) from the first step. The only loss without a ratio here is
+      # the cold start's, which trains the whole model, not adapters.
+      raise ValueError(f"lora.dropout must be 0: a dropped-out policy is not the policy that "
+                       f"sampled, so GSPO's importance ratios would not be 1 at theta = "
+                       f"theta_old (docs/lora.md); got {self.dropout!r}")
 
   @property
   def scale(self) -> float:
@@ -104,6 +129,14 @@ def check_model(lc: LoRAConfig, model: ModelConfig) -> None:
       raise ValueError(f"lora.rank = {lc.rank} is larger than target {t!r}, a "
                        f"{sides[t][0]} x {sides[t][1]} weight (model.hidden, heads x head_dim, "
                        f"mlp_dim): at most {min(sides[t])}")
+
+
+def dense_weights(params) -> dict[tuple, int]:
+  """Every weight of a kind `TARGETS` names (adapted or not), path -> its number of input
+  axes: what an int8 base quantises (`lora_quant.quantize`)."""
+  names = {where: n for where, n in TARGETS.values()}
+  return {path: names[tuple(path[-2:])] for path, _ in nnx.to_flat_state(params)
+          if tuple(path[-2:]) in names}
 
 
 def weight_paths(params, lc: LoRAConfig) -> list[tuple]:
@@ -157,8 +190,9 @@ def init_adapters(abstract: nnx.State, key: Array) -> nnx.State:
 
 def merge(base: nnx.State, adapters: nnx.State, scale: float) -> nnx.State:
   """The base's parameters with every adapted weight W replaced by W + scale * A @ B (in the
-  adapters' dtype, float32 or wider); the others are the base's arrays, untouched."""
-  flat = dict(nnx.to_flat_state(base))
+  adapters' dtype, float32 or wider); the others are the base's arrays, untouched. An int8
+  base is dequantised first (`lora_quant.dequantize`: float32 weights)."""
+  flat = dict(nnx.to_flat_state(lora_quant.dequantize(base)))
   pairs = dict(nnx.to_flat_state(adapters))
   for path in dict.fromkeys(p[:-1] for p in pairs):  # in state order: the same program always
     var = flat[path]

@@ -36,7 +36,7 @@ def merged_params(run):
   """The policy's parameters with the adapters merged in (`lora.merge`, one jitted program;
   the arrays keep the base's shardings)."""
   merge = jax.jit(lambda base, adapters: lora.merge(base, adapters, run.frozen.scale),
-                  out_shardings=run.frozen.shardings)
+                  out_shardings=run.frozen.layout.state.params)
   return merge(run.frozen.params, run.state.params)
 
 
@@ -98,7 +98,7 @@ def save_peft(run, directory: str, base_model: str) -> list[str]:
 def save_base(run, directory: str) -> list[str]:
   """The frozen base as a Hugging Face directory: what a PEFT adapter of a run whose base
   is its cold start (not a `pretrained` directory) loads onto."""
-  return hf.save(nnx.merge(run.graphdef, run.frozen.params), directory)
+  return hf.save(nnx.merge(run.graphdef, run.frozen.weights()), directory)
 
 
 def main(argv=None):

@@ -115,7 +115,7 @@ def _shapes(program, *args):
   base = getattr(program, "frozen", None)
   if base is None:
     return jax.eval_shape(program, *args)
-  return jax.eval_shape(program.jitted, base.layout.params, *args)
+  return jax.eval_shape(program.jitted, base.abstract, *args)
 
 
 def program_inputs(cfg: TrainConfig, layout, progs) -> dict[str, tuple]:
@@ -130,7 +130,8 @@ def program_inputs(cfg: TrainConfig, layout, progs) -> dict[str, tuple]:
                                                                              sharding=rep)
   rollout, _ = _shapes(progs.sample, layout.params, prompts, lens, state.key, step)
   rollout = sharding.abstract_rows(rollout, mesh)
-  ref = layout.params if cfg.loss.kl_coef and not cfg.lora.rank else None  # LoRA: the base
+  from gspo_jax import lora_run
+  ref = layout.params if lora_run.trains_reference(cfg) else None  # LoRA: the base
   batch = sharding.abstract_rows(
       _shapes(progs.prepare, layout.params, ref, rollout, prompts, lens), mesh)
   rewards = rows((Bs, r.group_size) if not cfg.multiturn.turn_credit
@@ -248,8 +249,10 @@ def _lora(cfg: TrainConfig, graphdef, params, tx, full_layout, full_programs, to
     check_lora(cfg.lora, cfg.model)
   except ValueError as e:
     raise PlanError(str(e)) from None
-  frozen = lora_run.Frozen(full_layout.params, full_layout, cfg.lora.scale, full_programs)
-  layout = programs.make_layout(lora.adapter_shapes(params, cfg.lora), tx, full_layout.mesh)
+  frozen = lora_run.Frozen(full_layout.params, full_layout, cfg.lora.scale, full_programs,
+                           cfg.lora.base_dtype)
+  layout = lora_run.adapters_layout(lora.adapter_shapes(params, cfg.lora), tx, full_layout.mesh,
+                                    cfg)
   return layout, lora_run.make_programs(graphdef, tx, cfg, layout, tok, frozen)
 
 

@@ -48,12 +48,34 @@ class RolloutResult:
   device_stats: dict[str, jax.Array]   # from the sampler program: lengths, truncation, entropy
 
 
-def rollout_step(run, params, key, step: int, ref_params=None, log=print) -> RolloutResult:
-  """Sample, score and prepare the update batch of iteration `step` (a host int).
+@dataclasses.dataclass
+class Launched:
+  """A rollout whose device work is dispatched (`launch`) and whose scoring is not done
+  yet (`finish`). `batch` is None when `prepare` was left to the caller (`launch(...,
+  prepare=False)`: an asynchronous run's pi_old at the trainer's version)."""
+  step: int                        # the iteration whose data this is
+  examples: list                   # this process's rows of the prompts
+  prompts_BxP: jax.Array
+  lens_B: jax.Array
+  rollout: Any                     # `sampling.Rollout`
+  device_stats: dict[str, jax.Array]
+  batch: Batch | None
+  mesh: Any                        # where the rollout lives
+  t0: float                        # the sampler's dispatch (perf_counter)
+  phases: dict[str, float]
+
+
+def launch(run, params, key, step: int, ref_params=None, *, programs=None, mesh=None,
+           prepare: bool = True, wait: bool = True) -> Launched:
+  """Dispatch the sampler for iteration `step` (a host int) and, with `prepare`, pi_old /
+  pi_ref right behind it; nothing waits for the device unless `cfg.profile_phases`.
 
   `run` is a `gspo_jax.run.Run`; `params` and `key` are the policy's and the run's
-  (TrainState.params, TrainState.key)."""
-  cfg, tok, mesh = run.cfg, run.tok, run.layout.mesh
+  (TrainState.params, TrainState.key). `programs` / `mesh`: another placement's (the
+  asynchronous sampler's own devices, `gspo_jax.pipeline`), default the run's. `wait`:
+  wait for `params` first (see below); an asynchronous run does not, its sampler time
+  comes from its timeline."""
+  cfg, programs, mesh = run.cfg, programs or run.programs, mesh or run.layout.mesh
   B = cfg.rollout.sampled_prompts  # prompts_per_iter + oversample (dynamic sampling)
   # Data position = a pure function of (seed, iteration): resume is exact.
   examples = sharding.local_part(run.task.train_batch(cfg.seed, step, B), mesh)
@@ -63,35 +85,54 @@ def rollout_step(run, params, key, step: int, ref_params=None, log=print) -> Rol
   # that update ends: waiting for them here cost the loop no measurable time
   # (docs/update_speed.md) and keeps the update's tail out of time_sample (the sampler's own
   # time, what sample_tokens_per_s divides by).
-  jax.block_until_ready(params)
+  if wait:
+    jax.block_until_ready(params)
   t0 = time.perf_counter()
-  rollout, device_stats = run.programs.sample(params, prompts, lens, key, step)
+  rollout, device_stats = programs.sample(params, prompts, lens, key, step)
   phases = {}
   if cfg.profile_phases:  # prepare timed alone: it no longer overlaps the host's scoring
     jax.block_until_ready(rollout)
     phases["time_sample"] = time.perf_counter() - t0
-  t1 = time.perf_counter()
-  batch = run.programs.prepare(params, ref_params, rollout, prompts, lens)
-  if cfg.profile_phases:
-    jax.block_until_ready(batch)
-    phases["time_prepare"] = time.perf_counter() - t1
-  tokens, mask = sharding.to_host(rollout.tokens_BxGxT), sharding.to_host(rollout.mask_BxGxT)
-  time_sample = phases.get("time_sample", time.perf_counter() - t0)
+  batch = None
+  if prepare:
+    t1 = time.perf_counter()
+    batch = programs.prepare(params, ref_params, rollout, prompts, lens)
+    if cfg.profile_phases:
+      jax.block_until_ready(batch)
+      phases["time_prepare"] = time.perf_counter() - t1
+  return Launched(step, examples, prompts, lens, rollout, device_stats, batch, mesh, t0, phases)
+
+
+def finish(run, launched: Launched, log=print, *, rows_mesh=None) -> RolloutResult:
+  """Wait for a launched rollout's tokens, decode and score them on the host (while
+  `prepare` runs), and feed the rewards back, onto `rows_mesh` (default: where the rollout
+  is). The result's `batch` is `launched.batch` (None if not prepared)."""
+  cfg, tok, L = run.cfg, run.tok, launched
+  B = cfg.rollout.sampled_prompts
+  tokens, mask = sharding.to_host(L.rollout.tokens_BxGxT), sharding.to_host(L.rollout.mask_BxGxT)
+  time_sample = L.phases.get("time_sample", time.perf_counter() - L.t0)
   t0 = time.perf_counter()
   b, G, T = tokens.shape
   texts = text.decode_completions(tok, tokens.reshape(b * G, T), mask.reshape(b * G, T))
-  rewards, correct, parts = run.task.score_batch([e for e in examples for _ in range(G)], texts,
-                                                 log=log)
-  rewards_BxG = sharding.feed(np.asarray(rewards, np.float32).reshape(b, G), mesh, B)
+  rewards, correct, parts = run.task.score_batch([e for e in L.examples for _ in range(G)],
+                                                 texts, log=log)
+  rewards_BxG = sharding.feed(np.asarray(rewards, np.float32).reshape(b, G),
+                              rows_mesh or L.mesh, B)
   all_rewards, all_correct = sharding.gather_rows(rewards), sharding.gather_rows(correct)
   stats = {"reward_mean": all_rewards.mean(), "reward_std": all_rewards.std(),
            "accuracy": all_correct.mean(), "time_sample": time_sample,
-           "time_score": time.perf_counter() - t0, **phases}
+           "time_score": time.perf_counter() - t0, **L.phases}
   stats.update({k: sharding.gather_rows(v).mean() for k, v in parts.items()})
-  position = run.task.position(step, B)
+  position = run.task.position(L.step, B)
   if position is not None:
     stats["data_epoch"], stats["data_index"] = position
-  return RolloutResult(batch, rewards_BxG, stats, device_stats)
+  return RolloutResult(L.batch, rewards_BxG, stats, L.device_stats)
+
+
+def rollout_step(run, params, key, step: int, ref_params=None, log=print) -> RolloutResult:
+  """Sample, score and prepare the update batch of iteration `step` (a host int): `launch`
+  then `finish`, on the run's own devices."""
+  return finish(run, launch(run, params, key, step, ref_params), log=log)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gspo_jax import checkpoint, configlib, expert_mesh, lora_run, rng, rundir, sharding, text
+from gspo_jax import (checkpoint, configlib, expert_mesh, lora_run, placement, rng, rundir,
+                      sharding, text)
 from gspo_jax.config import TrainConfig, check_lora, check_positions, check_routing
 from gspo_jax.models.config import EXECUTION_FIELDS
 from gspo_jax.optim import make_optimizer, sft_optimizer
@@ -38,6 +39,8 @@ class Run:
   rollout: Any
   # A LoRA run's frozen base (`lora_run.Frozen`; `state.params` are then the adapters).
   frozen: Any = None
+  # The sampler's own devices (`pipeline.SamplerSide`, placement.sampler_devices > 0).
+  sampler: Any = None
 
   def encode_prompts(self, prompts):
     """The run's prompts as ids: (ids_BxP, lens_B) padded to rollout.max_prompt_len. A
@@ -55,8 +58,11 @@ class Run:
     base = self.state.params if self.frozen is None else self.frozen.params
     layout, programs, frozen, _ = _assemble(cfg, self.graphdef, base, self.tx,
                                             self.layout.mesh, self.tok)
+    sampler = self.sampler and sampler_side(cfg, self.graphdef, base, self.tx,
+                                            self.sampler.layout.mesh, self.tok)
     return dataclasses.replace(self, cfg=cfg, layout=layout, programs=programs, frozen=frozen,
-                               rollout=make_rollout(self.graphdef, cfg, layout, self.tok))
+                               rollout=make_rollout(self.graphdef, cfg, layout, self.tok),
+                               sampler=sampler)
 
 
 def _rendered(task) -> bool:
@@ -76,10 +82,18 @@ def _assemble(cfg: TrainConfig, graphdef, params, tx, mesh, tok):
   programs = make_programs(graphdef, tx, cfg, layout, tok)
   if not cfg.lora.rank:
     return layout, programs, None, params
-  frozen = lora_run.Frozen(params, layout, cfg.lora.scale, programs)
+  frozen = lora_run.Frozen(None, layout, cfg.lora.scale, programs, cfg.lora.base_dtype)
+  frozen.params = frozen.store(params)
   layout, adapters = lora_run.adapter_layout(params, tx, mesh, cfg)
   programs = lora_run.make_programs(graphdef, tx, cfg, layout, tok, frozen)
   return layout, programs, frozen, adapters
+
+
+def sampler_side(cfg: TrainConfig, graphdef, params, tx, mesh, tok):
+  """The sampler's layout and programs on its own mesh (`placement.sampler_devices`)."""
+  from gspo_jax.pipeline import SamplerSide
+  layout = _layout(params, tx, mesh, cfg)
+  return SamplerSide(layout, make_programs(graphdef, tx, cfg, layout, tok))
 
 
 def pretrained_load_args(cfg: TrainConfig) -> dict[str, Any]:
@@ -201,8 +215,11 @@ def check_env(cfg: TrainConfig) -> None:
 def setup(cfg: TrainConfig, run_dir: str) -> Run:
   """Mesh, task, tokenizer, the sharded model and optimiser state, the compiled programs."""
   from gspo_jax.models.transformer import Transformer
-  mesh = sharding.make_mesh(cfg.mesh)
+  mesh, sampler_mesh = placement.make_meshes(cfg)
   check_layout(cfg, mesh)
+  if sampler_mesh is not None and not cfg.pretrained:  # the rules on the sampler's mesh
+    _sampler_error(lambda: sharding.init_program(Transformer, cfg.model, sampler_mesh),
+                   sampler_mesh)
   checkpoint.check_writable(run_dir)
   check_env(cfg)
   task = make_task(cfg)
@@ -236,8 +253,19 @@ def setup(cfg: TrainConfig, run_dir: str) -> Run:
   tx = make_optimizer(cfg.optim)
   graphdef, params = nnx.split(model, nnx.Param)
   layout, programs, frozen, trained = _assemble(cfg, graphdef, params, tx, mesh, tok)
+  sampler = sampler_mesh and _sampler_error(
+      lambda: sampler_side(cfg, graphdef, params, tx, sampler_mesh, tok), sampler_mesh)
   return Run(cfg, task, tok, graphdef, programs.init(trained), tx, layout, programs,
-             make_rollout(graphdef, cfg, layout, tok), frozen)
+             make_rollout(graphdef, cfg, layout, tok), frozen, sampler)
+
+
+def _sampler_error(build, mesh):
+  """build(), its ValueError (the rules table on the sampler's mesh) naming the group."""
+  try:
+    return build()
+  except ValueError as e:
+    raise ValueError(f"placement.sampler_mesh (the sampler's mesh {dict(mesh.shape)}): "
+                     f"{e}") from None
 
 
 def load_run(run_dir: str, step: int | None = None) -> Run:

@@ -59,6 +59,9 @@ REFUSED: dict[str, str] = {
     "seed": "the data stream and the random keys",
     "rollout.prompts_per_iter": "the data position (step x prompts per iteration)",
     "rollout.oversample": "the data position (step x prompts sampled per iteration)",
+    "asynchronous.max_staleness": "the rollouts in flight saved with each checkpoint (one "
+                                  "per step of staleness) and which version samples each",
+    "asynchronous.pi_old": "what pi_old is (the sampling version's, or the trainer's)",
 }
 # How the model runs, not its parameters (`models.config.EXECUTION_FIELDS`): allowed under
 # the refused "model", so a resume can turn on remat or attention chunks to fit memory.
@@ -66,6 +69,7 @@ EXECUTION = tuple(f"model.{name}" for name in EXECUTION_FIELDS)
 # Changes that are safe: they change neither the state nor what a step means (the three
 # task.data fields only report or score, under the refused "task").
 SAFE = ("iterations", "eval_every", "eval_size", "sft", "mesh", "profile_phases", "prepare_chunks",
+        "placement", "asynchronous.timeline",
         "task.data.slow_reward_s",
         "task.data.correct_threshold", "task.data.answer_field")
 

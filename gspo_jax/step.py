@@ -400,6 +400,8 @@ def _minibatch_steps(state: TrainState, batch: Batch, adv_BxG: Array, extra, *, 
   summary["skipped_updates"] = jnp.sum(metrics["skipped_updates"])
   summary["ratio_max"] = jnp.max(metrics["ratio_max"])
   summary["ratio_min"] = jnp.min(metrics["ratio_min"])
+  if "approx_kl" in metrics:  # pi_theta at the update's start against pi_old: the staleness
+    summary["approx_kl_first"] = metrics["approx_kl"][0]
   if cfg.truncation == "mask":
     summary.update(_over_live_minibatches(metrics))
   summary.update(lengths.pool_minibatches(metrics), **extra, **correction)

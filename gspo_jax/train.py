@@ -34,8 +34,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from gspo_jax import (checkpoint, coldstart, configlib, evaluate, lora_run, metrics, row_skip,
-                      rundir)
+from gspo_jax import (checkpoint, coldstart, configlib, evaluate, lora_run, metrics, pipeline,
+                      row_skip, rundir)
 from gspo_jax.config import TrainConfig
 from gspo_jax.run import Run, heldout, reference_params, setup
 
@@ -57,20 +57,37 @@ class Stop(Exception):
 
 
 def iterate(run: Run, start: int, stop: int, *, ref_params=None, on_metrics=None,
-            on_step=None) -> int:
+            on_step=None, rollouts: pipeline.Pipeline | None = None) -> int:
   """RL iterations start..stop-1 on `run.state`; returns the step reached.
 
   on_metrics(step, metrics) gets each iteration's metrics (host floats) once they are
   fetched, one iteration late (the last one at the end); on_step(step) runs after the
   update of iteration step - 1 is dispatched (evaluation, checkpoints) and may add to the
-  metrics it returns (a dict, or None), or raise `Stop` to end the loop at `step`."""
+  metrics it returns (a dict, or None), or raise `Stop` to end the loop at `step`.
+  `rollouts`: an asynchronous run's pipeline (`gspo_jax.pipeline`; built here when the
+  config asks for one and none is given)."""
+  if rollouts is None and pipeline.is_async(run.cfg):
+    rollouts = pipeline.Pipeline(run, start, ref_params, log=_log)
+  try:
+    return _iterate(run, start, stop, ref_params, on_metrics, on_step, rollouts)
+  finally:
+    if rollouts is not None:
+      rollouts.close()
+
+
+def _iterate(run, start, stop, ref_params, on_metrics, on_step, rollouts) -> int:
   pending = None
   last = time.perf_counter()
   step = start
   for it in range(start, stop):
-    r = run.rollout.collect(run, run.state.params, run.state.key, it, ref_params, log=_log)
+    if rollouts is None:  # the kind of rollout the run makes (single- or multi-turn)
+      r = run.rollout.collect(run, run.state.params, run.state.key, it, ref_params, log=_log)
+    else:
+      r = rollouts.rollout(it)
     t_update = time.perf_counter()
     run.state, update_metrics = run.programs.update(run.state, r.batch, r.rewards_BxG)
+    if rollouts is not None:
+      rollouts.updated(it, update_metrics, t_update)
     phases = {}
     if run.cfg.profile_phases:  # the update alone (the host then waits for it)
       jax.block_until_ready(run.state)
@@ -213,10 +230,9 @@ def train(cfg: TrainConfig, run_dir: str, *, resume: bool = False, checkpoint_ev
       cold = lora_run.cold_start_view(run)  # LoRA: the whole base model
       probe = lambda params, examples: evaluate.evaluate(cold, params, examples)["accuracy"]
       params = coldstart.cold_start(cold, probe_accuracy=probe, log=_log)
-      if run.frozen is None:
-        run.state = run.programs.init(params)
-      else:  # LoRA: the cold start's policy is the frozen base; the adapters start at B = 0
-        lora_run.freeze(run.frozen, params, run_dir, cfg, trained=cfg.sft.steps > 0)
+      # LoRA: the cold start's policy is the frozen base and the adapters start at B = 0,
+      # or (lora.cold_start = "adapters") RL goes on training the cold start's adapters.
+      run.state = lora_run.start_rl(run, params, run_dir)
       ckpt.maybe_save(0, run.state, force=True)
       start = 0
     if jax.process_index() == 0:  # the run has really started (or been restored)
@@ -236,9 +252,16 @@ def train(cfg: TrainConfig, run_dir: str, *, resume: bool = False, checkpoint_ev
     _log(f"held-out accuracy at step {start}: {summary['heldout_accuracy_start']:.3f}")
     writer = metrics.MetricsWriter(run_dir, total=cfg.iterations, initial=start,
                                    progress=progress)
-    # A LoRA run's reference is its frozen base, read inside `prepare` (nothing to pass).
+    # A LoRA run's reference is its frozen base, read inside `prepare` (nothing to pass),
+    # unless its cold start trained adapters: then the base with those (saved like a policy).
     ref_params = (reference_params(run, run_dir, fresh=start == 0)
-                  if cfg.loss.kl_coef and run.frozen is None else None)
+                  if lora_run.trains_reference(cfg) else None)
+    rollouts = None
+    if pipeline.is_async(cfg):  # the sampler ahead of the trainer (gspo_jax/pipeline.py)
+      try:
+        rollouts = pipeline.Pipeline(run, start, ref_params, run_dir=run_dir, log=_log)
+      except ValueError as e:
+        raise rundir.RunDirError(str(e)) from None
     signals.install(signal.SIGINT)  # from here on Ctrl-C saves at the next boundary
     stopped = signals.requested()
     if stopped and start < cfg.iterations:
@@ -252,7 +275,11 @@ def train(cfg: TrainConfig, run_dir: str, *, resume: bool = False, checkpoint_ev
         if step == cfg.iterations:  # the final policy: its evaluation is the summary's
           summary["heldout_accuracy_end"] = extra["heldout_accuracy"]
       stopped = signals.requested() if step < cfg.iterations else None
-      ckpt.maybe_save(step, run.state, force=step == cfg.iterations or bool(stopped))
+      force = step == cfg.iterations or bool(stopped)
+      if rollouts is not None and ckpt.due(step, force=force):
+        rollouts.save(run_dir, step)  # the rollouts in flight, before the checkpoint
+      if ckpt.maybe_save(step, run.state, force=force) and rollouts is not None:
+        pipeline.prune_inflight(run_dir)
       if stopped:
         raise Stop(extra)
       return extra
@@ -265,7 +292,7 @@ def train(cfg: TrainConfig, run_dir: str, *, resume: bool = False, checkpoint_ev
                      "non-finite loss or gradient): the policy did not change")
 
     reached = iterate(run, start, cfg.iterations, ref_params=ref_params,
-                      on_metrics=on_metrics, on_step=on_step)
+                      on_metrics=on_metrics, on_step=on_step, rollouts=rollouts)
     if stopped:
       raise Interrupted(stopped, reached, run_dir)
     if "heldout_accuracy_end" not in summary:

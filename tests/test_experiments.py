@@ -201,3 +201,28 @@ def test_plotted_series_by_hand():
   assert xs.tolist() == [20.0, 30.0, 40.0] and ys == pytest.approx([0.2, 0.4, 0.6])
   xs, ys = series({"rows": rows, "summary": {}}, "heldout_accuracy")   # no start recorded
   assert xs.tolist() == [2, 4]
+
+
+def test_async_staleness_configs():
+  """Each variant of the staleness experiment (preregistered.md part 6) is the medium cell
+  of the stability map with its bound and pi_old."""
+  s = load("async_staleness")
+  assert len(s.VARIANTS) == 12
+  for name, (loss, k) in s.VARIANTS.items():
+    cfg = s.config(name, 3, False, None)
+    assert (cfg.task.steps, cfg.rollout.max_new_tokens, cfg.num_minibatches) == (6, 72, 4)
+    assert cfg.optim.learning_rate == 1e-4 and cfg.iterations == 20 and cfg.seed == 3
+    assert cfg.asynchronous.max_staleness == k
+    assert cfg.loss.name == ("grpo" if loss == "grpo" else "gspo")
+    tis = loss == "gspo_tis"
+    assert cfg.asynchronous.pi_old == ("proximal" if tis else "behaviour")
+    assert (cfg.rollout_correction.level == "token") == tis
+
+
+@pytest.mark.slow
+def test_async_staleness_quick(tmp_path):
+  summary = load("async_staleness").main(["--quick", "--iterations", "2", "--variants",
+                                          "gspo_tis_k1", "--out", str(tmp_path)])
+  cell = summary["cells"]["gspo_tis_k1"]
+  assert cell["staleness"] == 1 and finite(summary["cells"])
+  assert (tmp_path / "staleness.png").stat().st_size > 0

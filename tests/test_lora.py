@@ -229,11 +229,40 @@ RESUME_CFG = tiny_cfg(iterations=4, lora=LORA, loss=C.LossConfig(kl_coef=0.1),
                       sft=C.SFTConfig(steps=10, batch_size=32, learning_rate=3e-3))
 
 
+def trained_run(tmp_path_factory, name, cfg, every):
+  run_dir = tmp_path_factory.mktemp(name) / "run"
+  T.train(cfg, str(run_dir), checkpoint_every=every, progress=False)
+  return run_dir
+
+
+def assert_resume_is_exact(cfg, trained, part, step, every, refused=()):
+  """`trained` (a finished run of `cfg`) copied to `part` as stopped after `step`: each
+  (changed config, message) of `refused` is refused with nothing in `part` changed; resuming
+  `cfg` then gives every metric and every array (adapters, optimiser state, base) of the
+  uninterrupted run."""
+  part = interrupted_copy(trained, part, step)
+  before = sorted((p.relative_to(part), p.stat().st_mtime_ns) for p in part.rglob("*"))
+  for changed, match in refused:
+    with pytest.raises(ValueError, match=match):
+      T.train(changed, str(part), resume=True, progress=False)
+  assert sorted((p.relative_to(part), p.stat().st_mtime_ns) for p in part.rglob("*")) == before
+  T.train(cfg, str(part), resume=True, checkpoint_every=every, progress=False)
+  a, b = read_metrics(trained), read_metrics(part)
+  assert [r["step"] for r in b] == list(range(1, cfg.iterations + 1))
+  for ra, rb in zip(a, b):
+    for k in ("reward_mean", "loss", "kl", "grad_norm"):
+      assert ra[k] == rb[k], (ra["step"], k)
+  full, resumed = R.load_run(str(trained)), R.load_run(str(part))
+  for x, y in zip(leaves((full.state.params, full.state.opt_state, full.frozen.params)),
+                  leaves((resumed.state.params, resumed.state.opt_state,
+                          resumed.frozen.params))):
+    np.testing.assert_array_equal(x, y)
+  return resumed
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-  run_dir = tmp_path_factory.mktemp("trained") / "run"
-  T.train(RESUME_CFG, str(run_dir), checkpoint_every=2, progress=False)
-  return run_dir
+  return trained_run(tmp_path_factory, "trained", RESUME_CFG, 2)
 
 
 def test_checkpoints_hold_adapters_and_a_pointer_to_the_base(trained):
@@ -252,39 +281,33 @@ def test_checkpoints_hold_adapters_and_a_pointer_to_the_base(trained):
 
 
 def test_resume_is_exact_and_other_lora_settings_are_refused(trained, tmp_path):
-  part = interrupted_copy(trained, tmp_path / "part", 2)
-  before = sorted((p.relative_to(part), p.stat().st_mtime_ns) for p in part.rglob("*"))
-  for change, field in (({"lora": C.LoRAConfig()}, "lora.rank: saved 4, requested 0"),
-                        ({"lora": dataclasses.replace(LORA, rank=2)}, "lora.rank"),
-                        ({"lora": dataclasses.replace(LORA, targets=("q",))}, "lora.targets")):
-    with pytest.raises(ValueError, match=field):
-      T.train(dataclasses.replace(RESUME_CFG, **change), str(part), resume=True, progress=False)
-  assert sorted((p.relative_to(part), p.stat().st_mtime_ns) for p in part.rglob("*")) == before
-  T.train(RESUME_CFG, str(part), resume=True, checkpoint_every=2, progress=False)
-  a, b = read_metrics(trained), read_metrics(part)
-  assert [r["step"] for r in b] == [1, 2, 3, 4]
-  for ra, rb in zip(a, b):
-    for k in ("reward_mean", "loss", "kl", "grad_norm"):
-      assert ra[k] == rb[k], (ra["step"], k)
-  full, resumed = R.load_run(str(trained)), R.load_run(str(part))
-  for x, y in zip(leaves((full.state.params, full.state.opt_state)),
-                  leaves((resumed.state.params, resumed.state.opt_state))):
-    np.testing.assert_array_equal(x, y)
-  for x, y in zip(leaves(full.frozen.params), leaves(resumed.frozen.params)):
-    np.testing.assert_array_equal(x, y)
+  changed = lambda lc: dataclasses.replace(RESUME_CFG, lora=lc)
+  assert_resume_is_exact(RESUME_CFG, trained, tmp_path / "part", 2, 2, refused=(
+      (changed(C.LoRAConfig()), "lora.rank: saved 4, requested 0"),
+      (changed(dataclasses.replace(LORA, rank=2)), "lora.rank"),
+      (changed(dataclasses.replace(LORA, targets=("q",))), "lora.targets")))
 
 
-def test_without_a_cold_start_the_base_is_the_initial_model(tmp_path):
-  cfg = lora_cfg(iterations=1)
+@pytest.mark.parametrize("base_dtype", ["", "int8"])
+def test_without_a_cold_start_the_base_is_the_initial_model(tmp_path, base_dtype):
+  """(An int8 base: quantised once, at setup; a load quantises the rebuilt model again,
+  the same program on the same weights.)"""
+  cfg = lora_cfg(iterations=1, lora=dataclasses.replace(LORA, base_dtype=base_dtype))
   T.train(cfg, str(tmp_path / "run"), progress=False)
   pointer = json.loads((tmp_path / "run" / lora_run.POINTER).read_text())
-  assert pointer == {"base": "initial model", "pretrained": "", "seed": 0, "lora_rank": 4}
+  assert pointer == {"base": "initial model", "pretrained": "", "seed": 0, "lora_rank": 4,
+                     **({"base_dtype": base_dtype} if base_dtype else {})}
   assert not (tmp_path / "run" / lora_run.BASE_DIR).exists()  # rebuilt from model + seed
   loaded = R.load_run(str(tmp_path / "run"))
   fresh = R.setup(cfg, str(tmp_path / "run"))
   for x, y in zip(leaves(loaded.frozen.params), leaves(fresh.frozen.params)):
     np.testing.assert_array_equal(x, y)
   assert int(loaded.state.step) == 1  # the checkpoint's adapters and optimiser state
+  # The start of RL keeps the stored base (no dequantised copy, no second quantisation).
+  stored = jax.tree.leaves(fresh.frozen.params)
+  assert lora_run.cold_start_view(fresh) is fresh
+  lora_run.start_rl(fresh, fresh.state.params, str(tmp_path / "run"))
+  assert all(x is y for x, y in zip(jax.tree.leaves(fresh.frozen.params), stored))
 
 
 def test_cost_script_measures_both_runs(tmp_path):
@@ -299,6 +322,36 @@ def test_cost_script_measures_both_runs(tmp_path):
   assert (tmp_path / "benchmark_lora_cost.json").exists()
 
 
+def test_curve_script_records_a_runs_heldout_curve(tmp_path):
+  from experiments import lora_curve
+  smoke = os.path.join(os.path.dirname(__file__), "..", "configs", "addition_tiny_lora.py:smoke")
+  with pytest.raises(SystemExit, match="--variant full: .* lora.rank = 8"):
+    lora_curve.main(["--variant", "full", "--config", smoke, "--out", str(tmp_path)])
+  record = lora_curve.main(["--variant", "lora", "--config", smoke, "--set", "iterations=2",
+                            "eval_every=1", "eval_size=8", "sft.steps=2", "--out", str(tmp_path)])
+  assert [p[0] for p in record["heldout_curve"]] == [0, 1, 2]
+  assert record["lora"]["rank"] == 8 and record["frozen_base_bytes"] > 0
+  assert 3 * record["param_bytes"] <= record["update_state_bytes"] < 3.1 * record["param_bytes"]
+  saved = json.load(open(tmp_path / "summary.json"))
+  assert saved["lora"]["heldout_curve"] == record["heldout_curve"]
+  # --from-run: the finished run recorded again, without training (no step 0, no seconds).
+  args = ["--variant", "lora", "--config", smoke, "--out", str(tmp_path), "--from-run",
+          str(tmp_path / "runs" / "lora"), "--set", "eval_every=1", "eval_size=8", "sft.steps=2"]
+  with pytest.raises(SystemExit, match="its config.json is not"):
+    lora_curve.main(args + ["iterations=3"])
+  again = lora_curve.main(args + ["iterations=2"])
+  assert again["heldout_curve"] == record["heldout_curve"][1:]
+  assert again["train_seconds"] is None and again["peak_rss_mib"] is None
+  assert again["update_state_bytes"] == record["update_state_bytes"]
+
+
+def test_cost_script_times_the_int8_and_float_products(tmp_path):
+  from experiments import lora_cost
+  record = lora_cost.main(["--dot", "--quick", "--out", str(tmp_path)])
+  assert set(record["dot_s"]) == {"float32", "dequantised_int8", "int8_int8_int32"}
+  assert all(t > 0 for t in record["dot_s"].values())
+
+
 def test_cost_script_counts_a_real_models_state_without_building_it(tmp_path):
   from experiments import lora_cost
   record = lora_cost.main(["--shapes", "qwen3_0_6b", "--rank", "8", "--out", str(tmp_path)])
@@ -310,6 +363,11 @@ def test_cost_script_counts_a_real_models_state_without_building_it(tmp_path):
   D, Q, C, F = 1024, 16 * 128, 8 * 128, 3072
   per_layer = 8 * ((D + Q) * 2 + (D + C) * 2 + (D + F) * 3)
   assert low["param_bytes"] == 4 * 28 * per_layer
+  # An int8 base: each dense weight entry 1 byte instead of 2, plus a float32 scale per
+  # output channel (q: Q, k and v: C, o: D, gate and up: F, down: D).
+  dense, scales = 2 * D * Q + 2 * D * C + 3 * D * F, Q + 2 * C + 2 * D + 2 * F
+  assert low["frozen_base_int8_bytes"] == (low["frozen_base_bytes"] - 28 * dense
+                                           + 4 * 28 * scales)
 
 
 # -- exports -------------------------------------------------------------------------------

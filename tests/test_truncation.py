@@ -205,6 +205,7 @@ def update_before(state, batch, rewards_BxG, *, graphdef, tx, cfg):
   summary["skipped_updates"] = jnp.sum(metrics["skipped_updates"])
   summary["ratio_max"] = jnp.max(metrics["ratio_max"])
   summary["ratio_min"] = jnp.min(metrics["ratio_min"])
+  summary["approx_kl_first"] = metrics["approx_kl"][0]   # added since (docs/async.md)
   return state.replace(params=params, opt_state=opt_state, step=state.step + 1), summary
 
 
