@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
-from gspo_jax import _checks, losses, sharding
+from gspo_jax import _checks, expert_mesh, losses, sharding
 from gspo_jax.lora import LoRAConfig, check_model as check_lora
 from gspo_jax.optim import OptimConfig
 from gspo_jax.placement import AsyncConfig, PlacementConfig, check_config as check_async
@@ -304,6 +304,7 @@ class TrainConfig:
                        "so every weight pi_old / pi_sampler would be exactly 1")
     if not self.pretrained:
       check_routing(self)
+      expert_mesh.check_experts(self.mesh, self.model.num_experts)
       check_positions(self.model, self.rollout)
       check_lora(self.lora, self.model)  # a pretrained model is checked once loaded (run.setup)
     sampling_dtype = self.rollout.sampler_dtype or self.model.dtype

@@ -18,7 +18,8 @@ traffic: each collective's result bytes weighted by the trip counts of the loops
 (`plan_hlo.collective_bytes`; the sampler's early-exit decode loop counts once and is
 flagged), and the bytes each chip sends for them; analytic FLOPs and HBM bytes and the
 roofline time per program (compute, HBM and interconnect at the chip's published peaks,
-the binding one named; `plan_cost`). `--search` plans every data x fsdp x tensor mesh.
+the binding one named; `plan_cost`). `--search` plans every data x fsdp x tensor mesh
+(`mesh.expert` kept as set).
 Multi-turn episode programs are not planned (their host loop sits between them).
 """
 
@@ -301,10 +302,12 @@ def search(cfg: TrainConfig, topology: str, only: tuple[str, ...] = (),
   PlanError naming the smallest shortfall if none fits."""
   chips = len(topology_devices(topology))
   fits, refused, short = [], [], []
-  choices = [(m, r) for m in mesh_choices(chips) for r in (remats or (cfg.model.remat,))]
+  expert = max(cfg.mesh.expert, 1)   # kept as the config sets it; the other axes searched
+  choices = [(m, r) for m in mesh_choices(chips // expert) for r in (remats or (cfg.model.remat,))]
   for (data, fsdp, tensor), remat in choices:
     mesh = dataclasses.replace(cfg.mesh, data=data, fsdp=fsdp, tensor=tensor, num_devices=0)
-    name = f"data={data} fsdp={fsdp} tensor={tensor}" + (f" remat={remat}" if remats else "")
+    name = (f"data={data} fsdp={fsdp} tensor={tensor}" + (f" expert={expert}" if expert > 1 else "")
+            + (f" remat={remat}" if remats else ""))
     try:
       model = dataclasses.replace(cfg.model, remat=remat)
       report = plan(dataclasses.replace(cfg, mesh=mesh, model=model), topology, only)

@@ -118,28 +118,31 @@ def program_flops(cfg, m) -> dict[str, float]:
 
 
 def program_hbm_bytes(cfg, m, mesh_shape: dict[str, int], param_count: int) -> dict[str, float]:
-  """Per chip: weight reads per pass (gathered over fsdp, split over tensor), optimiser
-  state read and written per minibatch, and the sampler's per-step weight shard and KV
-  cache reads. Activations are not counted."""
+  """Per chip: weight reads per pass (gathered over fsdp and expert, split over tensor; a
+  MoE layer's experts split over expert), optimiser state read and written per minibatch,
+  and the sampler's per-step weight shard and KV cache reads. Activations are not counted."""
   r = cfg.rollout
   B, G, P, T = r.sampled_prompts, r.group_size, r.max_prompt_len, r.max_new_tokens
-  data, fsdp, tensor = (mesh_shape.get(a, 1) for a in ("data", "fsdp", "tensor"))
+  data, fsdp, expert, tensor = (mesh_shape.get(a, 1)
+                                for a in ("data", "fsdp", "expert", "tensor"))
+  # Expert weights stay split over `expert` when a pass uses them.
+  experts = m.num_moe_layers * 3 * m.num_experts * m.hidden * m.moe_mlp_dim if expert > 1 else 0
   compute = jnp.dtype(m.dtype).itemsize
   master = jnp.dtype(m.param_dtype).itemsize
   sampler_item = jnp.dtype(r.sampler_dtype or m.param_dtype).itemsize
   cache_item = jnp.dtype(r.kv_cache_dtype or r.sampler_dtype or m.dtype).itemsize
-  weights_pass = param_count * compute / tensor
+  weights_pass = (param_count - experts + experts / expert) * compute / tensor
   backward, passes = _passes(cfg, m)
-  optimiser = param_count / (fsdp * tensor) * master * 3 * 2    # params, mu, nu: read + write
+  optimiser = param_count / (fsdp * expert * tensor) * master * 3 * 2    # params, mu, nu: read + write
   kv_per_token = 2 * m.num_layers * m.num_kv_heads * m.head_dim * cache_item
 
   def sampler(rows_B: int, group: int) -> float:
-    rows_per_chip = rows_B * group / (data * fsdp)
-    step = param_count * sampler_item / (fsdp * tensor) + rows_per_chip * kv_per_token * (
+    rows_per_chip = rows_B * group / (data * fsdp * expert)
+    step = param_count * sampler_item / (fsdp * expert * tensor) + rows_per_chip * kv_per_token * (
         P / group + T / 2) / tensor
     return weights_pass + T * step
 
-  out = {"init": param_count * master / (fsdp * tensor), "sample": sampler(B, G),
+  out = {"init": param_count * master / (fsdp * expert * tensor), "sample": sampler(B, G),
          "prepare": passes * weights_pass,
          "update": cfg.num_minibatches * (backward * weights_pass + optimiser),
          "greedy": sampler(cfg.eval_size or B, 1)}

@@ -29,7 +29,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from gspo_jax import coldstart, losses, optim, rng, row_skip, sampling, sharding, step
+from gspo_jax import (coldstart, expert_mesh, losses, optim, rng, row_skip, sampling, sharding,
+                      step)
 from gspo_jax.config import TrainConfig
 from gspo_jax.models.config import ModelConfig
 from gspo_jax.sampling import SamplerConfig
@@ -146,7 +147,8 @@ def sampler_program(graphdef, scfg: SamplerConfig, layout: Layout, *, model_cfg:
     sample_graphdef, cast = graphdef, lambda params: params
 
   def run(params, prompts_BxP, lens_B, key):
-    return sampling.sample(sample_graphdef, cast(params), prompts_BxP, lens_B, key, cfg=scfg)
+    params = expert_mesh.place_experts(cast(params))
+    return sampling.sample(sample_graphdef, params, prompts_BxP, lens_B, key, cfg=scfg)
 
   def run_rollout(params, prompts_BxP, lens_B, key, step_):
     out = run(params, prompts_BxP, lens_B, rng.device_key(key, step_, "sample"))
@@ -154,13 +156,23 @@ def sampler_program(graphdef, scfg: SamplerConfig, layout: Layout, *, model_cfg:
 
   rep = layout.replicated
   ins = (layout.state.params, layout.rows(2), layout.rows(1), rep)
+  fn = run_rollout if rollout else run
+  fn = _experts_on_mesh(fn, layout.mesh)
   if outs is None:
     outs = rollout_shardings(graphdef, scfg, layout if frozen is None else frozen.layout)
-  fn, ins, outs = (run_rollout, (*ins, rep), (outs, rep)) if rollout else (run, ins, outs)
+  ins, outs = ((*ins, rep), (outs, rep)) if rollout else (ins, outs)
   if frozen is None:
     return jax.jit(fn, in_shardings=ins, out_shardings=outs)
   return frozen.bind(jax.jit(frozen.merged(fn), in_shardings=(frozen.shardings, *ins),
                              out_shardings=outs))
+
+
+def _experts_on_mesh(fn, mesh: Mesh):
+  """A sampler's function traced on the mesh when the mesh splits experts, so that its MoE
+  layers dispatch expert-parallel with whole experts per chip (tokens to the experts'
+  chips, `models.moe`; `expert_mesh.expert_group`) instead of leaving XLA to move the
+  experts' weights at every step; unchanged otherwise (see `Transformer.decode`)."""
+  return sharding.on_mesh(fn, mesh, whole_experts=True) if expert_mesh.expert_parallel(mesh) else fn
 
 
 def rollout_shardings(graphdef, scfg: SamplerConfig, layout: Layout,
@@ -257,8 +269,9 @@ def episode_programs(graphdef, ecfg, *, layout: Layout):
   by rows; the episode state's shardings follow from them."""
   from gspo_jax.multiturn import sampler as mt
   ps, rows, rep = layout.state.params, layout.rows, layout.replicated
-  start = jax.jit(functools.partial(mt.start, graphdef, cfg=ecfg),
+  on_mesh = lambda fn: _experts_on_mesh(fn, layout.mesh)
+  start = jax.jit(on_mesh(functools.partial(mt.start, graphdef, cfg=ecfg)),
                   in_shardings=(ps, rows(2), rows(1), rep))
-  resume = jax.jit(lambda params, state, lens, obs, obs_len, go, key: mt.resume(
-      graphdef, params, state, lens, obs, obs_len, go, key, cfg=ecfg), donate_argnums=(1,))
+  resume = jax.jit(on_mesh(lambda params, state, lens, obs, obs_len, go, key: mt.resume(
+      graphdef, params, state, lens, obs, obs_len, go, key, cfg=ecfg)), donate_argnums=(1,))
   return mt.EpisodePrograms(ecfg, start, resume, jax.jit(functools.partial(mt.finish, cfg=ecfg)))

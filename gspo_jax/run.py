@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gspo_jax import checkpoint, configlib, lora_run, placement, rng, rundir, sharding, text
+from gspo_jax import (checkpoint, configlib, expert_mesh, lora_run, placement, rng, rundir,
+                      sharding, text)
 from gspo_jax.config import TrainConfig, check_lora, check_positions, check_routing
 from gspo_jax.models.config import EXECUTION_FIELDS
 from gspo_jax.optim import make_optimizer, sft_optimizer
@@ -229,7 +230,9 @@ def setup(cfg: TrainConfig, run_dir: str) -> Run:
     task = with_chat_template(task, tok, cfg)
     check_prompts(task, tok, cfg)  # before loading the weights
     check_fits(task, tok, cfg)
-    check_positions(hf.config_from_hf(hf.read_config(cfg.pretrained)), cfg.rollout)
+    hf_model = hf.config_from_hf(hf.read_config(cfg.pretrained))
+    check_positions(hf_model, cfg.rollout)
+    expert_mesh.check_experts(cfg.mesh, hf_model.num_experts)
     model = hf.load(cfg.pretrained, mesh=mesh, **pretrained_load_args(cfg))
     cfg = dataclasses.replace(cfg, model=model.cfg)
     check_routing(cfg)

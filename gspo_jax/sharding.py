@@ -3,8 +3,11 @@
 Model code names the axes of every parameter (`logical_axes` metadata: vocab, embed, heads,
 kv_heads, head_dim, mlp, expert, and layers for a scanned model); one rules table here maps those names to mesh axes.
 Parameter and activation (batch) rules are kept apart, as levanter does: parameters are
-split along `fsdp` (the residual width) and `tensor` (heads, mlp, vocab); batches along
-`data` and `fsdp` together.
+split along `fsdp` and `expert` (the residual width, ZeRO-3 style), `expert` (a MoE layer's
+experts) and `tensor` (heads, mlp, vocab); batches along `data`, `fsdp` and `expert`
+together. Outside its MoE layers the `expert` axis is one more way of splitting the batch
+and the weights' residual width; inside them each chip runs its own experts on the tokens
+of its expert group (`models.moe`, expert-parallel dispatch).
 
 Meshes use `AxisType.Auto` (jax.make_mesh defaults to Explicit in this JAX version, which
 breaks ordinary NNX layers whose contracting dimension is sharded).
@@ -24,24 +27,26 @@ import optax
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-MESH_AXES = ("data", "fsdp", "tensor")
+from gspo_jax import expert_mesh
+
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
 
 # Logical parameter axis -> mesh axis (None = replicated).
 PARAM_RULES: Mapping[str, str | None] = {
     "vocab": "tensor",
-    "embed": "fsdp",
+    "embed": ("fsdp", "expert"),   # an expert weight's own `expert` dimension takes that axis
     "heads": "tensor",
     "kv_heads": "tensor",
     "head_dim": None,
     "mlp": "tensor",
-    "expert": None,      # no expert parallelism yet: experts are split by embed / mlp
+    "expert": "expert",  # a MoE layer's experts (expert parallelism, `models.moe`)
     "layers": None,      # the stacked axis of a scanned model (cfg.scan_layers): the scan
                          # slices one layer per step, so every device holds all of them
 }
 
-# Logical activation axis -> mesh axes. Rows of a batch are split over data and fsdp.
+# Logical activation axis -> mesh axes. Rows of a batch are split over data, fsdp and expert.
 ACTIVATION_RULES: Mapping[str, Any] = {
-    "batch": ("data", "fsdp"),
+    "batch": ("data", "fsdp", "expert"),
     "seq": None,
 }
 
@@ -61,18 +66,23 @@ class MeshConfig:
 
     data:   pure data parallelism (parameters replicated)
     fsdp:   rows of the batch *and* the parameters' residual dimension are split (ZeRO-3)
+    expert: a MoE model's experts split (expert parallelism); elsewhere it acts as fsdp
+            (rows and the residual width split). Must divide model.num_experts; a dense
+            model, or tensor > 1 beside it, is refused (`config.check_mesh`)
     tensor: heads / mlp / vocab split (Megatron-style), activations all-reduced
   """
   data: int = -1
   fsdp: int = 1
   tensor: int = 1
   num_devices: int = 0
+  expert: int = 1
 
-  def shape(self, num_devices: int) -> tuple[int, int, int]:
-    sizes = [self.data, self.fsdp, self.tensor]
+  def shape(self, num_devices: int) -> tuple[int, int, int, int]:
+    """Sizes in MESH_AXES order (data, fsdp, expert, tensor)."""
+    sizes = [self.data, self.fsdp, self.expert, self.tensor]
     if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
-      raise ValueError(f"mesh: each of mesh.data / mesh.fsdp / mesh.tensor must be >= 1, and at "
-                       f"most one may be -1; got {self}")
+      raise ValueError(f"mesh: each of mesh.data / mesh.fsdp / mesh.expert / mesh.tensor must "
+                       f"be >= 1, and at most one may be -1; got {self}")
     known = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
       if num_devices % known:
@@ -80,8 +90,9 @@ class MeshConfig:
                          f"({known}); got {self}")
       sizes[sizes.index(-1)] = num_devices // known
     if math.prod(sizes) != num_devices:
-      raise ValueError(f"mesh: mesh.data * mesh.fsdp * mesh.tensor = {math.prod(sizes)} must equal "
-                       f"the number of devices ({num_devices}); got {self}")
+      raise ValueError(f"mesh: mesh.data * mesh.fsdp * mesh.expert * mesh.tensor = "
+                       f"{math.prod(sizes)} must equal the number of devices ({num_devices}); "
+                       f"got {self}")
     return tuple(sizes)
 
 
@@ -104,8 +115,9 @@ def spec_for(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh,
              rules: Mapping[str, Any] = PARAM_RULES) -> P:
   """PartitionSpec for an array with these logical axes.
 
-  A mesh axis names at most one dimension of a spec: a later dimension mapped to a mesh
-  axis already in use stays replicated. An unknown logical name, or a dimension that the
+  A mesh axis names at most one dimension of a spec: a later dimension keeps only the mesh
+  axes not yet in use (an expert weight's embed dimension: fsdp, its expert one having taken
+  `expert`), and stays replicated if none is left. An unknown logical name, or a dimension that the
   mesh axis does not divide, is a ValueError naming the config field to change.
   """
   used, out = set(), []
@@ -114,8 +126,9 @@ def spec_for(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh,
       raise ValueError(f"unknown logical axis {name!r} (the rules table knows {sorted(rules)})")
     target = rules.get(name) if name is not None else None
     names = () if target is None else (target if isinstance(target, tuple) else (target,))
-    ways = math.prod(mesh.shape[n] for n in names) if names else 1
-    if ways == 1 or used & set(names):
+    names = tuple(n for n in names if n not in used and mesh.shape.get(n, 1) > 1)
+    ways = math.prod(mesh.shape[n] for n in names)
+    if ways == 1:
       out.append(None)
       continue
     if size % ways:
@@ -162,15 +175,18 @@ def gathered(weights, dtype=None):
   forward pass, the transpose would ask for the full gradient on every chip (an
   all-reduce of every weight per minibatch) instead of a reduce-scatter to its shard."""
   mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or mesh.shape.get("fsdp", 1) == 1:
+  if mesh.empty or mesh.shape.get("fsdp", 1) * mesh.shape.get("expert", 1) == 1:
     return weights
-  used = {"fsdp"}
-  use_rules = {k: (None if v in used else v) for k, v in PARAM_RULES.items()}
+  # The residual width whole, and the router's expert columns (it is small, and the softmax
+  # over experts then stays on one chip); heads, mlp and vocab stay split over `tensor`.
+  use_rules = {**PARAM_RULES, "embed": None, "expert": None}
 
   def one(var):
     axes = tuple(var.get_metadata()["logical_axes"])
     value = var.get_value()
     axes = axes[len(axes) - value.ndim:]      # a scanned layer's slice lost its `layers` axis
+    if axes[:1] == ("expert",) and expert_mesh.expert_parallel(mesh):
+      return var   # the expert-parallel MoE gathers its own experts' shards (`models.moe`)
     use, keep = spec_for(axes, value.shape, mesh, use_rules), spec_for(axes, value.shape, mesh)
     if use == keep:
       return var
@@ -196,12 +212,18 @@ def _gather_bwd(use, keep, _, ct):
 _gather.defvjp(_gather_fwd, _gather_bwd)
 
 
-def on_mesh(fn, mesh: Mesh):
+def batch_axes(mesh) -> tuple[str, ...]:
+  """The mesh axes that split the rows of a batch, in order (those `mesh` has)."""
+  return tuple(a for a in ACTIVATION_RULES["batch"] if a in mesh.shape)
+
+
+def on_mesh(fn, mesh: Mesh, whole_experts: bool = False):
   """`fn` traced with `mesh` as its context (what `constrain` reads): the programs'
-  functions are wrapped by this where their jit is built."""
+  functions are wrapped by this where their jit is built. `whole_experts`: a sampler's
+  layout of the experts (`expert_mesh.expert_group`)."""
   @functools.wraps(fn)
   def traced(*args, **kwargs):
-    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), expert_mesh.layout(whole_experts):
       return fn(*args, **kwargs)
   return traced
 
@@ -272,7 +294,8 @@ def check_rows(field: str, rows: int, mesh: Mesh) -> None:
   ways = batch_ways(mesh)
   if rows % ways:
     raise ValueError(f"{field} = {rows} is not divisible by the batch mesh axes "
-                     f"mesh.data * mesh.fsdp = {ways}: rows of a batch are split over them")
+                     f"mesh.data * mesh.fsdp * mesh.expert = {ways}: rows of a batch are split "
+                     "over them")
 
 
 def init_sharded(model_cls, cfg, mesh: Mesh, seed: int = 0):

@@ -26,7 +26,7 @@ def _load(name: str, variant: str = ""):
 
 def test_every_config_file_is_listed():
   assert CONFIGS == ["addition_tiny.py", "addition_tiny_lora.py", "demo.py", "long_chain.py",
-                     "plan_qwen3_0_6b.py", "plan_qwen3_8b.py", "qwen3_0_6b_math.py",
+                     "plan_qwen3_0_6b.py", "plan_qwen3_30b_a3b.py", "plan_qwen3_8b.py", "qwen3_0_6b_math.py",
                      "qwen3_1_7b_math.py", "qwen3_4b_math.py", "qwen3_8b_math.py",
                      "smollm2_addition.py", "smollm2_addition_lora.py", "smollm2_gym.py",
                      "smollm2_word_problems.py", "tool_multiplication.py"]

@@ -28,7 +28,7 @@ def smoke(*sets: str) -> TrainConfig:
 
 def test_every_program_of_the_smoke_run_compiles_for_v5e_2x2_and_fits(libtpu):
   report = plan.plan(smoke("mesh.data=1", "mesh.fsdp=4"), "v5e:2x2")
-  assert report["chips"] == 4 and report["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1}
+  assert report["chips"] == 4 and report["mesh"] == {"data": 1, "fsdp": 4, "expert": 1, "tensor": 1}
   assert set(report["programs"]) == {"init", "sample", "greedy", "sft", "prepare", "update"}
   assert report["fits"] and all(p["fits"] for p in report["programs"].values())
   # The parameters split 4 ways by fsdp: their bytes / (fsdp * tensor) per chip, but for
@@ -74,7 +74,7 @@ def test_a_plan_that_cannot_fit_is_reported_per_program_and_exits_1(libtpu, caps
     ("v9:2x2", [], r"--topology 'v9:2x2' is not a TPU topology GEN:AxB\[xC\] .* known here: "
                    r"v5e:2x2"),
     ("v5e:3x3", [], r"--topology 'v5e:3x3' is not a topology libtpu knows"),
-    ("v5e:2x2", ["mesh.data=3"], r"mesh.data \* mesh.fsdp \* mesh.tensor = 3 must equal the "
+    ("v5e:2x2", ["mesh.data=3"], r"mesh.data \* mesh.fsdp \* mesh.expert \* mesh.tensor = 3 must equal the "
                                  r"number of devices \(4\).*\(4 chips in v5e:2x2\)"),
     ("v5e:2x2", ["mesh.data=1", "mesh.tensor=4"], r"model.num_kv_heads = 1 is not divisible "
                                                   r"by mesh axis mesh.tensor=4"),
@@ -220,7 +220,7 @@ def test_the_local_devices_are_planned_like_a_topology():
   simulated CPU devices; the CPU's HBM and peaks are unknown, so no verdict against a
   capacity and no roofline, but memory and traffic as for a TPU."""
   report = plan.plan(smoke("mesh.data=2", "mesh.fsdp=4"), "local", only=("update",))
-  assert report["chips"] == 8 and report["mesh"] == {"data": 2, "fsdp": 4, "tensor": 1}
+  assert report["chips"] == 8 and report["mesh"] == {"data": 2, "fsdp": 4, "expert": 1, "tensor": 1}
   update = report["programs"]["update"]
   assert update["fits"] and update["peak"] > 0 and "time_s" not in update
   assert update["flops"] > 0 and "iteration_s" not in report

@@ -183,7 +183,7 @@ def test_replayed_update_sharded_equals_single_device(run, configured, rolled, t
                                  cfg.optim.learning_rate, steps=cfg.num_minibatches, rtol=0,
                                  atol=0.01 * cfg.optim.learning_rate)
   assert got_state.params is not None
-  assert split_batch.old_experts[0].sharding.spec[0] == ("data", "fsdp")
+  assert split_batch.old_experts[0].sharding.spec[0] == ("data", "fsdp", "expert")
 
 
 # -- Rollout Routing Replay (R3): the sampler's own expert choices -------------------------

@@ -24,15 +24,16 @@ MESHES = {"data8": sharding.MeshConfig(data=8), "fsdp8": sharding.MeshConfig(dat
 
 
 @pytest.mark.parametrize("cfg,shape", [
-    (sharding.MeshConfig(), (8, 1, 1)), (sharding.MeshConfig(data=2, fsdp=-1), (2, 4, 1)),
-    (sharding.MeshConfig(data=2, fsdp=2, tensor=2), (2, 2, 2))])
+    (sharding.MeshConfig(), (8, 1, 1, 1)), (sharding.MeshConfig(data=2, fsdp=-1), (2, 4, 1, 1)),
+    (sharding.MeshConfig(data=2, fsdp=2, tensor=2), (2, 2, 1, 2)),
+    (sharding.MeshConfig(data=1, fsdp=2, expert=-1), (1, 2, 4, 1))])
 def test_mesh_shapes(cfg, shape):
   mesh = sharding.make_mesh(cfg)
   assert tuple(mesh.shape.values()) == shape and mesh.axis_names == sharding.MESH_AXES
 
 
 @pytest.mark.parametrize("cfg,field", [
-    (sharding.MeshConfig(data=3), "mesh.data \\* mesh.fsdp \\* mesh.tensor = 3 must equal the number of devices \\(8\\)"),
+    (sharding.MeshConfig(data=3), "mesh.data \\* mesh.fsdp \\* mesh.expert \\* mesh.tensor = 3 must equal the number of devices \\(8\\)"),
     (sharding.MeshConfig(data=-1, fsdp=-1), "at most one may be -1"),
     (sharding.MeshConfig(data=2, fsdp=3, tensor=1), "= 6 must equal"),
     (sharding.MeshConfig(data=0), "must be >= 1"),
@@ -45,7 +46,7 @@ def test_bad_mesh_is_a_clear_error(cfg, field):
 
 def test_mesh_over_some_devices():
   mesh = sharding.make_mesh(sharding.MeshConfig(data=2, num_devices=2))
-  assert tuple(mesh.shape.values()) == (2, 1, 1) and list(mesh.devices.flat) == jax.devices()[:2]
+  assert tuple(mesh.shape.values()) == (2, 1, 1, 1) and list(mesh.devices.flat) == jax.devices()[:2]
 
 
 def test_rules_table_on_a_mesh():
@@ -55,8 +56,8 @@ def test_rules_table_on_a_mesh():
   # A mesh axis is used once per spec: the later dimension stays replicated.
   assert sharding.spec_for(("heads", "kv_heads"), (4, 4), mesh) == P("tensor", None)
   assert sharding.spec_for(("embed", None), (64, 3), mesh) == P("fsdp", None)
-  assert sharding.batch_sharding(mesh).spec == P(("data", "fsdp"), None)
-  assert sharding.batch_sharding(mesh, 3).spec == P(("data", "fsdp"), None, None)
+  assert sharding.batch_sharding(mesh).spec == P(("data", "fsdp", "expert"), None)
+  assert sharding.batch_sharding(mesh, 3).spec == P(("data", "fsdp", "expert"), None, None)
 
 
 def test_rules_errors_name_the_config_field():
@@ -99,9 +100,9 @@ def test_sharded_init_and_forward_equal_single_device(mesh_name, cfg):
   np.testing.assert_allclose(out, fwd(ref, tokens, pos), rtol=1e-5, atol=1e-5)
 
 
-def fake_mesh(data, fsdp, tensor):
+def fake_mesh(data, fsdp, tensor, expert=1):
   """A mesh of the given shape without devices (a pod slice's layout, checked on a laptop)."""
-  return jax.sharding.AbstractMesh((data, fsdp, tensor), sharding.MESH_AXES)
+  return jax.sharding.AbstractMesh((data, fsdp, expert, tensor), sharding.MESH_AXES)
 
 
 def test_rules_on_fake_pod_meshes_need_no_devices():
@@ -121,5 +122,14 @@ def test_rules_on_fake_pod_meshes_need_no_devices():
     sharding.param_shardings(abstract, fake_mesh(1, 8, 8))
   # Batch rows on the fake mesh: data x fsdp = 32 ways.
   sharding.check_rows("rollout.prompts_per_iter", 64, mesh)
-  with pytest.raises(ValueError, match="= 48 is not divisible by the batch mesh axes mesh.data \\* mesh.fsdp = 32"):
+  with pytest.raises(ValueError, match="= 48 is not divisible by the batch mesh axes mesh.data \\* mesh.fsdp \\* mesh.expert = 32"):
     sharding.check_rows("rollout.prompts_per_iter", 48, mesh)
+  # Expert parallelism on v5p-64 (fsdp 16 x expert 4): experts split by expert, their width
+  # by fsdp; every other weight's width over fsdp x expert; the router whole along experts.
+  ep = fake_mesh(1, 16, 1, expert=4)
+  assert sharding.spec_for(("expert", "embed", "mlp"), (128, 2048, 768), ep) == P("expert", "fsdp", None)
+  assert sharding.spec_for(("expert", "mlp", "embed"), (128, 768, 2048), ep) == P("expert", None, "fsdp")
+  assert sharding.spec_for(("embed", "heads", "head_dim"), (2048, 32, 128), ep) == P(("fsdp", "expert"), None, None)
+  assert sharding.spec_for(("embed", "expert"), (2048, 128), ep) == P(("fsdp", "expert"), None)
+  with pytest.raises(ValueError, match=r"model.num_experts = 126 is not divisible by mesh axis mesh.expert=4"):
+    sharding.spec_for(("expert", "embed", "mlp"), (126, 2048, 768), ep)

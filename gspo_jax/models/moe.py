@@ -17,6 +17,20 @@ a capacity-factor dispatch would not. Two interchangeable dispatch paths (cfg.mo
   "ragged": assignments sorted by expert, jax.lax.ragged_dot per expert group, unsorted.
             K/E of the dense FLOPs; the one for real sizes (preset qwen3_30b_a3b: E=128, K=8).
 
+Expert parallelism (a program traced on a mesh with `mesh.expert` > 1, `sharding.on_mesh`):
+the experts are split over the `expert` mesh axis (E/ep per chip, their residual width
+still split over `fsdp` at rest) and the tokens go to the chips that hold their experts
+(`_expert_parallel`): each chip all-gathers the tokens of its expert group (the ep chips
+that differ only in their `expert` coordinate), runs the same dispatch on its own experts
+only, and a reduce-scatter sums each token's K expert outputs back onto the chip that
+holds the token (in a sampler the group is fsdp x expert, whole experts per chip:
+`expert_mesh`). Still dropless and exact (only the float summation order of a token's K
+outputs changes: partial sums per chip, then across chips). Per chip and layer this sends
+2 (ep-1) n_l D values (n_l tokens per chip) against 2 K (ep-1)/ep n_l D for a dropless
+all-to-all of the K copies: fewer bytes while ep < K, as many at ep = K. (A dropless
+`ragged_all_to_all` would win past ep = K; XLA:CPU cannot run it, so nothing here could
+test it.) The router and the balancing loss run outside, on the tokens where they are.
+
 Routing Replay (`replay_BxSxK`): use given expert indices (those the old / rollout policy
 chose) instead of the router's top-k; the weights are still the current router's
 probabilities at those experts, so the router keeps its gradient. This is the workaround
@@ -26,12 +40,15 @@ GSPO's sequence-level ratio makes it unnecessary.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
-from gspo_jax import _checks
+from gspo_jax import _checks, expert_mesh, sharding
 from gspo_jax.models.config import ModelConfig
 from gspo_jax.models.layers import param
 
@@ -120,6 +137,46 @@ def _ragged_dispatch(x_nxD: Array, weights_nxK: Array, indices_nxK: Array, gate_
 _DISPATCH = {"dense": _dense_dispatch, "ragged": _ragged_dispatch}
 
 
+def _expert_parallel(dispatch, x_nxD: Array, weights_nxK: Array, indices_nxK: Array,
+                     gate_ExDxF: Array, up_ExDxF: Array, down_ExFxD: Array) -> Array:
+  """`dispatch` with the experts split over the expert group of the traced program's mesh
+  (`expert_mesh.expert_group`; see the module docstring); the arguments and result of
+  `_DISPATCH[...]`.
+
+  One shard_map over the whole mesh. Per chip: tokens x_lxD (its rows), expert weights
+  (E/ep, D/fsdp, F) as they rest; their fsdp shards are all-gathered inside (the gradient
+  is then reduce-scattered back to them; across `data` it is summed). In a sampler the
+  group is fsdp x expert and each chip holds E/(fsdp*ep) whole experts (moved there once
+  per call, `expert_mesh.place_experts`): a decode step then moves tokens only. Tokens whose
+  experts lie on other chips get index E/ep: past every local group (ragged) or outside
+  one_hot (dense), so they add exact zeros, and a NaN weight (bad replay) still shows.
+  Rows are padded to a multiple of the batch ways (zero rows, weight 0) and cut after.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  rows, group = sharding.batch_axes(mesh), expert_mesh.expert_group(mesh)
+  n, ways = x_nxD.shape[0], math.prod(mesh.shape[a] for a in rows)
+  pad = lambda a: jnp.pad(a, [(0, -n % ways)] + [(0, 0)] * (a.ndim - 1))
+  E_local = gate_ExDxF.shape[0] // math.prod(mesh.shape[a] for a in group)
+  width = None if "fsdp" in group else "fsdp"   # whole experts (a sampler): nothing to gather
+
+  def local(x_lxD, w_lxK, e_lxK, gate, up, down):
+    if width:
+      gather = lambda a, axis: jax.lax.all_gather(a, "fsdp", axis=axis, tiled=True)
+      gate, up, down = gather(gate, 1), gather(up, 1), gather(down, 2)
+    x_mxD, w_mxK, e_mxK = (jax.lax.all_gather(a, group, tiled=True)
+                           for a in (x_lxD, w_lxK, e_lxK))
+    mine_mxK = e_mxK - jax.lax.axis_index(group) * E_local
+    mine_mxK = jnp.where((mine_mxK >= 0) & (mine_mxK < E_local), mine_mxK, E_local)
+    y_mxD = _DISPATCH[dispatch](x_mxD, w_mxK, mine_mxK, gate, up, down)
+    return jax.lax.psum_scatter(y_mxD, group, tiled=True)
+
+  spec_in, spec_out = P(group, width, None), P(group, None, width)
+  y_nxD = jax.shard_map(local, mesh=mesh, out_specs=P(rows),
+                        in_specs=(P(rows), P(rows), P(rows), spec_in, spec_in, spec_out))(
+      pad(x_nxD), pad(weights_nxK), pad(indices_nxK), gate_ExDxF, up_ExDxF, down_ExFxD)
+  return y_nxD[:n]
+
+
 def load_balancing_loss(probs_nxE: Array, indices_nxK: Array, valid_n: Array) -> Array:
   """Switch / HF load balancing E * sum_e f_e * P_e, padding excluded; a float32 scalar.
 
@@ -203,6 +260,9 @@ class MoE(nnx.Module):
     weights_nxK, indices_nxK, probs_nxE = route(
         x_nxD, self.router[...], K, norm_topk_prob=self.norm_topk_prob, replay_nxK=replay_nxK)
     experts = [w[...].astype(self.dtype) for w in (self.gate, self.up, self.down)]
-    y_nxD = _DISPATCH[self.dispatch](x_nxD, weights_nxK, indices_nxK, *experts)
+    if expert_mesh.expert_parallel():
+      y_nxD = _expert_parallel(self.dispatch, x_nxD, weights_nxK, indices_nxK, *experts)
+    else:
+      y_nxD = _DISPATCH[self.dispatch](x_nxD, weights_nxK, indices_nxK, *experts)
     aux = load_balancing_loss(probs_nxE, indices_nxK, valid_n)
     return y_nxD.reshape(B, S, D), indices_nxK.reshape(B, S, K), aux
