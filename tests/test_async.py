@@ -146,7 +146,8 @@ def test_a_sampler_of_its_own_on_4_plus_4_devices_has_the_rules_shardings(tmp_pa
   assert list(run.layout.mesh.devices.flat) == devices[:4]
   smesh = run.sampler.layout.mesh
   assert list(smesh.devices.flat) == devices[4:]
-  assert dict(smesh.shape) == {"data": 2, "fsdp": 2, "tensor": 1}
+  assert {a: smesh.shape[a] for a in ("data", "fsdp", "tensor")} == {"data": 2, "fsdp": 2,
+                                                                     "tensor": 1}
   expect = sharding.param_shardings(run.state.params, smesh)
   for got, want in zip(jax.tree.leaves(run.sampler.layout.state.params), jax.tree.leaves(expect),
                        strict=True):
