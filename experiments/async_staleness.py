@@ -128,8 +128,9 @@ def plot(runs: dict, out: str) -> list[str]:
     ax.set_xlabel("asynchronous.max_staleness")
     ax.set_ylabel(label)
     ax.set_xticks(list(STALENESS))
-  axes[0].legend()
-  return [_plots.save(fig, axes[0], out, "staleness.png")]
+  axes[0].legend(fontsize=7, loc="lower left")
+  fig.subplots_adjust(wspace=0.35)
+  return [_plots.save(fig, None, out, "staleness.png")]
 
 
 def main(argv=None):

@@ -20,7 +20,8 @@ import sys
 import numpy as np
 
 from experiments import _results, _stats
-from experiments._readme_async import async_timeline
+from experiments._readme_async import (async_staleness, async_staleness_comparisons,
+                                       async_timeline)
 from experiments._readme_stability import (clip_vs_length, multiturn, multiturn_comparisons,
                                            stability_grid, stability_seeds,
                                            stability_seeds_comparisons)
@@ -312,7 +313,7 @@ TABLES = {f.__name__: f for f in (
     gspo_vs_grpo, moe_routing, routing_replay, precision_gap, precision_training,
     gspo_token_equivalence, long, long_losses, long_moe, long_moe_bf16, long_moe_gap, long_bf16,
     long_bf16_gap, stability_grid, stability_seeds, clip_vs_length, multiturn, lora_curve,
-    async_timeline)}
+    async_timeline, async_staleness)}
 # Paired comparisons: the README's `<name>_paired` table and the figure
 # experiments/results/<dir>/paired.png (experiments/figures.py) come from the same list.
 PAIRED = {  # name -> (results dir, comparisons)
@@ -324,7 +325,8 @@ PAIRED = {  # name -> (results dir, comparisons)
     "long_moe": ("routing_replay_long", long_moe_comparisons),
     "long_bf16": ("precision_training_long", long_bf16_comparisons),
     "stability_seeds": ("stability_map", stability_seeds_comparisons),
-    "multiturn": ("multiturn_tools", multiturn_comparisons)}
+    "multiturn": ("multiturn_tools", multiturn_comparisons),
+    "async_staleness": ("async_staleness", async_staleness_comparisons)}
 for _name, (_, _cmp) in PAIRED.items():
   TABLES[f"{_name}_paired"] = (lambda c: lambda: paired_table(c()))(_cmp)
 
