@@ -39,3 +39,41 @@ def write_record(args, name: str, record: dict) -> str:
     json.dump(record, f, indent=2)
   print("wrote", path)
   return path
+
+
+def cpu_model() -> str:
+  """The CPU's model name from /proc/cpuinfo (Linux), else the platform's machine type."""
+  import platform
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith("model name"):
+          return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return platform.machine()
+
+
+def provenance(started: float, load_before) -> dict:
+  """What a committed summary says about how it was made: the commit, the command line,
+  the machine's load average before and after, and the wall seconds since `started`
+  (`time.time()`). The working tree's dirtiness is recorded too, since a run from an
+  uncommitted tree names a commit that is not quite what ran."""
+  import platform
+  import subprocess
+  import sys
+  import time
+
+  def git(*a):
+    try:
+      return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True,
+                            timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+      return ""
+  return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain")),
+          "command": "python -m " + os.path.splitext(
+              os.path.relpath(os.path.abspath(sys.argv[0]), ROOT))[0].replace(os.sep, ".")
+          + " " + " ".join(sys.argv[1:]),
+          "machine": f"{cpu_model()}, {os.cpu_count()} cores, {platform.platform()}",
+          "load_average_before": list(load_before), "load_average_after": list(os.getloadavg()),
+          "seconds": time.time() - started}

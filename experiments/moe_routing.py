@@ -27,6 +27,7 @@ import argparse
 import dataclasses
 import json
 import os
+import time
 
 import jax
 import jax.numpy as jnp
@@ -159,10 +160,13 @@ def main(argv=None):
   args = parser.parse_args(argv)
   out = _results.out_path(args, "moe_routing_quick" if args.quick else "moe_routing")
   os.makedirs(out, exist_ok=True)
+  started, load = time.time(), os.getloadavg()
   summary = run(args.quick, args.lrs[:1] if args.quick else args.lrs, out, args.layers,
                 args.minibatches, args.seeds)
   with open(os.path.join(out, "summary.json"), "w") as f:
     json.dump(summary, f, indent=2)
+  with open(os.path.join(out, "provenance.json"), "w") as f:
+    json.dump(_results.provenance(started, load), f, indent=2)
   print(json.dumps(summary, indent=2))
   return summary
 
