@@ -69,11 +69,13 @@ import numpy as np
 from flax import nnx
 
 from experiments import _bench, _results
+from experiments.benchmark import bench_peak
 from gspo_jax import optim, programs, sampling, step
 from gspo_jax.advantages import group_advantages
 from gspo_jax.config import LossConfig, RolloutConfig, TrainConfig
 from gspo_jax.models import config as our_config
 from gspo_jax.models import transformer
+from gspo_jax.row_skip import RowSkipConfig
 
 TARGET_SPEEDUP = 2.0
 # Stored in the record: exactly what each side's timed call runs.
@@ -327,12 +329,18 @@ def update_batch(ours, args) -> tuple[step.Batch, jax.Array]:
   return rows.replace(old_logp_BxGxT=logp + noise), rewards
 
 
-def our_train_config(model_cfg, args, share_prompts: bool = False) -> TrainConfig:
+# Our update's variants beside the plain one: (share_prompts, model.matmul_dtype, row skip).
+VARIANTS = {"ours": (False, "", False), "ours_shared_prompts": (True, "", False),
+            "ours_bf16": (True, "bfloat16", False), "ours_bf16_skip": (True, "bfloat16", True)}
+
+
+def our_train_config(model_cfg, args, share_prompts: bool = False,
+                     row_skip: bool = False) -> TrainConfig:
   """GSPO at the clip range handed to tunix as well (the paper's), one minibatch, no KL."""
   return TrainConfig(
       model=model_cfg, loss=LossConfig(name="gspo", eps_low=3e-4, eps_high=4e-4, kl_coef=0.0),
       num_minibatches=1,
-      share_prompts=share_prompts,
+      share_prompts=share_prompts, row_skip=RowSkipConfig(enabled=row_skip),
       rollout=RolloutConfig(prompts_per_iter=args.prompts, group_size=args.group,
                             max_new_tokens=args.new_tokens, max_prompt_len=args.prompt_len,
                             temperature=1.0))
@@ -340,10 +348,16 @@ def our_train_config(model_cfg, args, share_prompts: bool = False) -> TrainConfi
 
 class OurUpdate:
   """Ours: `step.update` jitted with the TrainState donated, one minibatch; with
-  `share_prompts` each prompt is computed once for its G responses."""
+  `share_prompts` each prompt is computed once for its G responses; `matmul_dtype` the
+  model's (`models.matmul`); `row_skip` the backward over live rows only."""
 
-  def __init__(self, ours, batch: step.Batch, rewards_BxG, args, share_prompts: bool = False):
-    cfg = our_train_config(ours.cfg, args, share_prompts)
+  def __init__(self, ours, batch: step.Batch, rewards_BxG, args, share_prompts: bool = False,
+               matmul_dtype: str = "", row_skip: bool = False):
+    if matmul_dtype:
+      mcfg = dataclasses.replace(ours.cfg, matmul_dtype=matmul_dtype)
+      abstract = nnx.eval_shape(lambda: transformer.Transformer(mcfg, rngs=nnx.Rngs(0)))
+      ours = nnx.merge(nnx.graphdef(abstract), nnx.state(ours))
+    cfg = our_train_config(ours.cfg, args, share_prompts, row_skip)
     graphdef, params = nnx.split(ours, nnx.Param)
     params = jax.tree.map(jnp.copy, params)  # the state is donated: keep `ours` intact
     self.tx = optim.make_optimizer(cfg.optim)
@@ -415,11 +429,12 @@ def max_abs_diff_ours(model_a, model_b) -> float:
 def bench_update(tx, ours, args) -> dict:
   batch, rewards = update_batch(ours, args)
   theirs = their_model_from(tx, ours)
-  our_step = OurUpdate(ours, batch, rewards, args)
-  shared_step = OurUpdate(ours, batch, rewards, args, share_prompts=True)
+  steps = {name: OurUpdate(ours, batch, rewards, args, *VARIANTS[name])
+           for name in VARIANTS if name in ("ours", "ours_shared_prompts") or args.fast_variants}
+  our_step, shared_step = steps["ours"], steps["ours_shared_prompts"]
   their_step = TheirUpdate(tx, theirs, batch, rewards, our_step.tx, args)
-  first_ours, m_ours = first_call(our_step)
-  first_shared, m_shared = first_call(shared_step)
+  firsts = {name: first_call(fn) for name, fn in steps.items()}
+  (first_ours, m_ours), (first_shared, m_shared) = firsts["ours"], firsts["ours_shared_prompts"]
   first_theirs, m_theirs = first_call(their_step)
   check = {"loss_ours": float(m_ours["loss"]), "loss_theirs": float(m_theirs["loss"]),
            "grad_norm_ours": float(m_ours["grad_norm"]),
@@ -433,15 +448,24 @@ def bench_update(tx, ours, args) -> dict:
            "loss_ours_shared": float(m_shared["loss"]),
            "grad_norm_ours_shared": float(m_shared["grad_norm"]),
            "max_abs_param_diff_shared_after_step": max_abs_diff(shared_step.model(), theirs)}
-  times = interleaved({"ours": our_step, "ours_shared_prompts": shared_step, "theirs": their_step},
-                      args.update_repeats)
+  for name in set(steps) - {"ours", "ours_shared_prompts"}:
+    m = firsts[name][1]
+    check[f"loss_{name}"], check[f"grad_norm_{name}"] = float(m["loss"]), float(m["grad_norm"])
+    check[f"max_abs_param_diff_{name}_after_step"] = max_abs_diff(steps[name].model(), theirs)
+    if "row_skip_dead_frac" in m:
+      check[f"row_skip_dead_frac_{name}"] = float(m["row_skip_dead_frac"])
+  times = interleaved({**steps, "theirs": their_step}, args.update_repeats)
   R, S = args.prompts * args.group, args.prompt_len + args.new_tokens
+  flops = _bench.update_flops(ours.cfg, R, args.prompt_len, args.new_tokens)
   out = {"rows": R, "P": args.prompt_len, "T": args.new_tokens, "tokens_per_step": R * S,
-         "first_step_check": check}
-  for name, first in (("ours", first_ours), ("ours_shared_prompts", first_shared),
-                      ("theirs", first_theirs)):
-    out[name] = {"seconds": statistics.median(times[name]), "all_seconds": times[name],
-                 "first_call_seconds": first}
+         "model_flops": flops["step"], "first_step_check": check}
+  for name, first in [(n, firsts[n][0]) for n in steps] + [("theirs", first_theirs)]:
+    med = statistics.median(times[name])
+    out[name] = {"seconds": med, "all_seconds": times[name], "first_call_seconds": first,
+                 "model_gflops_per_s": flops["step"] / med / 1e9}
+  for name in set(steps) - {"ours", "ours_shared_prompts"}:
+    out[f"speedup_{name}_over_theirs"] = out["theirs"]["seconds"] / out[name]["seconds"]
+    out[f"speedup_{name}_paired"] = paired_speedup(times, "theirs", name)
   out["speedup_ours_over_theirs"] = out["theirs"]["seconds"] / out["ours"]["seconds"]
   out["speedup_paired"] = paired_speedup(times, "theirs", "ours")
   out["speedup_ours_shared_over_theirs"] = (out["theirs"]["seconds"] /
@@ -459,11 +483,17 @@ def print_report(r: dict) -> None:
         f"{lc['max_abs_diff']:.2e} (max |logit| {lc['max_abs_logit']:.2f})")
   for s in r["sampling"]:
     print_sampling(r, s)
-  if "update" in r:
-    print_update(r)
+  for u in r.get("updates", []):
+    print_update({**r, "update": u})
+  for row in r["peak"]["rows"]:
+    print(f"matmul peak here, {row['n']}^2: float32 {row['gflops']:.1f} GFLOP/s, bfloat16 -> "
+          f"float32 {row['bf16_f32acc_gflops']:.1f}")
   met = lambda k: "met" if r["target_met"][k] else "NOT met"
-  print(f"\ntarget >= {TARGET_SPEEDUP}x: sampling {met('sampling')}"
-        + (f", update {met('update')} ({met('update_share_prompts')} with share_prompts)"
+  print(f"\ntarget >= {TARGET_SPEEDUP}x: sampling "
+        + (met('sampling') if r["sampling"] else "not measured")
+        + (f", update {met('update')} ({met('update_share_prompts')} with share_prompts"
+           + "".join(f"; {met('update_' + n)} {n}" for n in ("ours_bf16", "ours_bf16_skip")
+                     if "update_" + n in r["target_met"]) + ")"
            if "update" in r else "")
         + f"; load average {r['load_average_before'][0]:.2f} -> {r['load_average_after'][0]:.2f}")
 
@@ -503,6 +533,14 @@ def print_update(r: dict) -> None:
         f"paired {u['speedup_shared_paired']:.2f}x (median of {r['args']['update_repeats']}, "
         f"interleaved; shared first step: loss {c['loss_ours_shared']:.6f}, params within "
         f"{c['max_abs_param_diff_shared_after_step']:.1e} of tunix's)")
+  for name in [n for n in VARIANTS if n in u and n not in ("ours", "ours_shared_prompts")]:
+    dead = c.get(f"row_skip_dead_frac_{name}")
+    print(f"{name:38} {u[name]['seconds']:8.3f} {u[name]['first_call_seconds']:13.2f}  "
+          f"{u[f'speedup_{name}_over_theirs']:.2f}x tunix, paired "
+          f"{u[f'speedup_{name}_paired']:.2f}x; first step loss {c[f'loss_{name}']:.6f}"
+          + (f", rows dead {dead:.0%}" if dead is not None else ""))
+  print("model GFLOP/s: " + ", ".join(f"{n} {u[n]['model_gflops_per_s']:.1f}"
+                                      for n in list(VARIANTS) + ["theirs"] if n in u))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -521,6 +559,12 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--new-tokens", type=int, nargs="+", default=[64],
                  help="T, one sampling comparison per value (each alternated ours/theirs)")
   p.add_argument("--sampling-only", action="store_true", help="skip the update comparison")
+  p.add_argument("--update-only", action="store_true", help="skip the sampling comparison")
+  p.add_argument("--update-tokens", type=int, nargs="+", default=None,
+                 help="T of each update comparison (default: the first --new-tokens)")
+  p.add_argument("--fast-variants", action="store_true",
+                 help="also time our update with model.matmul_dtype=bfloat16 (share_prompts "
+                      "on), with and without row_skip")
   p.add_argument("--sampling-repeats", type=int, default=15)
   p.add_argument("--update-repeats", type=int, default=5)
   p.add_argument("--out", default=None, help="JSON record path (default: peer_tunix.json "
@@ -547,17 +591,24 @@ def main(argv=None):
             "machine": _bench.machine(), "versions": versions(), "what_runs": WHAT_RUNS,
             "model": dataclasses.asdict(ours.cfg), "params": param_count(ours),
             "logits_check": logits_check(tx, ours, theirs, tokens)}
-  record["sampling"] = [bench_sampling(tx, ours, theirs, argparse.Namespace(
+  # The matmul ceilings in this process, float32 and bfloat16 -> float32 (benchmark.py peak).
+  record["peak"] = bench_peak(argparse.Namespace(sizes=[1024, 2048], repeats=3))
+  record["sampling"] = [] if args.update_only else [bench_sampling(tx, ours, theirs, argparse.Namespace(
       **{**vars(args), "new_tokens": T})) for T in args.new_tokens]
   record["target_met"] = {"sampling": all(s["speedup_ours_over_theirs"] >= TARGET_SPEEDUP
                                           for s in record["sampling"])}
-  if not args.sampling_only:  # the update at the first T
-    record["update"] = bench_update(tx, ours, argparse.Namespace(
-        **{**vars(args), "new_tokens": args.new_tokens[0]}))
+  if not args.sampling_only:
+    record["updates"] = [bench_update(tx, ours, argparse.Namespace(**{**vars(args), "new_tokens": T}))
+                         for T in (args.update_tokens or args.new_tokens[:1])]
+    record["update"] = record["updates"][0]
     record["target_met"].update(
-        update=record["update"]["speedup_ours_over_theirs"] >= TARGET_SPEEDUP,
-        update_share_prompts=(record["update"]["speedup_ours_shared_over_theirs"]
-                              >= TARGET_SPEEDUP))
+        update=all(u["speedup_ours_over_theirs"] >= TARGET_SPEEDUP for u in record["updates"]),
+        update_share_prompts=all(u["speedup_ours_shared_over_theirs"] >= TARGET_SPEEDUP
+                                 for u in record["updates"]))
+    for name in ("ours_bf16", "ours_bf16_skip"):
+      if args.fast_variants:
+        record["target_met"][f"update_{name}"] = all(
+            u[f"speedup_{name}_over_theirs"] >= TARGET_SPEEDUP for u in record["updates"])
   record["seconds"] = time.perf_counter() - t0
   record["load_average_before"], record["load_average_after"] = load_before, os.getloadavg()
   print_report(record)

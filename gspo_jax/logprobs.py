@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from gspo_jax import _checks
+from gspo_jax.models import matmul
 
 Array = jax.Array
 
@@ -71,7 +72,8 @@ def token_logprobs(logits_BxTxV: Array, tokens_BxT: Array, *, temperature=1.0) -
 
 
 def token_logprobs_from_hidden(hidden_BxTxD: Array, unembed_DxV: Array, tokens_BxT: Array, *,
-                               temperature=1.0, chunk_size: int = 128) -> Array:
+                               temperature=1.0, chunk_size: int = 128,
+                               matmul_dtype=None) -> Array:
   """Same values and gradients as `token_logprobs(hidden @ unembed, tokens)`, lean in memory.
 
   The logits of `chunk_size` positions at a time are computed in float32 (matmul with
@@ -84,6 +86,8 @@ def token_logprobs_from_hidden(hidden_BxTxD: Array, unembed_DxV: Array, tokens_B
     tokens_BxT: integer ids in [0, V).
     temperature: as in `token_logprobs`.
     chunk_size: positions along T per chunk (T is padded up to a multiple).
+    matmul_dtype: None, or the dtype the logits' matmul takes its inputs in (products still
+      accumulated in float32, forward and backward: `models.matmul.einsum`).
   Returns:
     logp_BxT in float32 (float64 if the inputs are float64).
   """
@@ -107,12 +111,14 @@ def token_logprobs_from_hidden(hidden_BxTxD: Array, unembed_DxV: Array, tokens_B
   lead, T = tokens_BxT.shape[:-1], tokens_BxT.shape[-1]
   h_BxTxD = hidden_BxTxD.reshape(-1, T, hidden_BxTxD.shape[-1])
   tok_BxT = tokens_BxT.reshape(-1, T)
-  logp_BxT = _chunked_logprobs(h_BxTxD, unembed_DxV, tok_BxT, temperature, min(chunk_size, T))
+  logp_BxT = _chunked_logprobs(h_BxTxD, unembed_DxV, tok_BxT, temperature, min(chunk_size, T),
+                               matmul_dtype=matmul_dtype)
   return logp_BxT.reshape(*lead, T)
 
 
 def local_logprobs(hidden_BxTxD: Array, unembed_DxV: Array, tokens_BxT: Array, *,
-                   vocab_axis: str, temperature=1.0, chunk_size: int = 128) -> Array:
+                   vocab_axis: str, temperature=1.0, chunk_size: int = 128,
+                   matmul_dtype=None) -> Array:
   """`token_logprobs_from_hidden` on one device's block inside `jax.shard_map`: its rows,
   and its slice of the vocabulary along mesh axis `vocab_axis` (the token ids stay
   global). The weight gradient is summed over the chunks on the device and reduced across
@@ -120,10 +126,11 @@ def local_logprobs(hidden_BxTxD: Array, unembed_DxV: Array, tokens_BxT: Array, *
   reduces it at every chunk."""
   T = tokens_BxT.shape[-1]
   return _chunked_logprobs(hidden_BxTxD, unembed_DxV, tokens_BxT, temperature,
-                           min(chunk_size, T), vocab_axis)
+                           min(chunk_size, T), vocab_axis, matmul_dtype)
 
 
-def _chunked_logprobs(h_BxTxD, w_DxV, tok_BxT, temperature, chunk, vocab_axis=None):
+def _chunked_logprobs(h_BxTxD, w_DxV, tok_BxT, temperature, chunk, vocab_axis=None,
+                      matmul_dtype=None):
   B, T, D = h_BxTxD.shape
   num_chunks = -(-T // chunk)
   pad = num_chunks * chunk - T
@@ -137,7 +144,10 @@ def _chunked_logprobs(h_BxTxD, w_DxV, tok_BxT, temperature, chunk, vocab_axis=No
 
   @jax.checkpoint  # backward recomputes this chunk's logits rather than saving them
   def chunk_logprobs(h_BxnxD, tok_Bxn):
-    logits = jnp.einsum("bkd,dv->bkv", h_BxnxD, w_DxV, preferred_element_type=acc)
+    if matmul_dtype is None:
+      logits = jnp.einsum("bkd,dv->bkv", h_BxnxD, w_DxV, preferred_element_type=acc)
+    else:
+      logits = matmul.einsum("bkd,dv->bkv", h_BxnxD, w_DxV, matmul_dtype)
     if not (isinstance(temperature, (int, float)) and temperature == 1):
       logits = logits / temperature
     return _logprob_of(logits, tok_Bxn, vocab_axis)

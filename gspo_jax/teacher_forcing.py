@@ -100,10 +100,11 @@ def _logprobs(model: Transformer, h_RxTxD: Array, tokens_RxT: Array, temperature
   rows = sharding.ACTIVATION_RULES["batch"]
   if mesh.empty or mesh.size == 1 or h_RxTxD.shape[0] % sharding.batch_ways(mesh):
     return token_logprobs_from_hidden(h_RxTxD, model.unembed_DxV(), tokens_RxT,
-                                      temperature=temperature, chunk_size=chunk_size)
+                                      temperature=temperature, chunk_size=chunk_size,
+                                      matmul_dtype=model.cfg.matmul)
   vocab = sharding.PARAM_RULES["vocab"]
   local = functools.partial(local_logprobs, vocab_axis=vocab, temperature=temperature,
-                            chunk_size=chunk_size)
+                            chunk_size=chunk_size, matmul_dtype=model.cfg.matmul)
   return jax.shard_map(local, in_specs=(P(rows), P(None, vocab), P(rows)),
                        out_specs=P(rows))(h_RxTxD, model.unembed_DxV(gather=True), tokens_RxT)
 

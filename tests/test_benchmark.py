@@ -41,6 +41,21 @@ def test_benchmark_compile_runs(tmp_path, monkeypatch):
   assert record["result"]["model"]["scan_layers"] and len(record["load_average_before"]) == 3
 
 
+def test_benchmark_bandwidth_runs(tmp_path, monkeypatch):
+  argv = ["benchmark.py", "--out", str(tmp_path), "bandwidth", "--gib", "0.01", "--shape", "tiny",
+          "--prompts", "2", "--group", "2", "--prompt-len", "4", "--new-tokens", "3",
+          "--variants", "float32", "bf16_sampler", "--repeats", "1"]
+  monkeypatch.setattr(sys, "argv", argv)
+  runpy.run_module("experiments.benchmark", run_name="__main__")
+  result = json.load(open(tmp_path / "benchmark_bandwidth.json"))["result"]
+  assert result["bandwidth"]["read"]["bytes"] == 4 * (int(0.01 * 2**30) // 4)
+  f32, bf16 = result["decode"]
+  assert (f32["variant"], bf16["variant"]) == ("float32", "bf16_sampler")
+  # The bfloat16 sampler reads half the weight bytes; the step's bytes are weights + cache.
+  assert bf16["param_bytes"] * 2 == f32["param_bytes"]
+  assert f32["step_bytes"] > f32["param_bytes"] and f32["seconds"] > 0
+
+
 def test_benchmark_long_runs(tmp_path, monkeypatch):
   argv = ["benchmark.py", "--out", str(tmp_path), "long", "--new-tokens", "12", "--width", "16",
           "--vocab", "32", "--prompts", "2", "--group", "2", "--prompt-len", "4", "--rows", "2",

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from gspo_jax.models import matmul
 from gspo_jax.models.config import ModelConfig
 from gspo_jax.models.layers import RMSNorm, param, rope
 
@@ -37,6 +38,7 @@ class Attention(nnx.Module):
     D, N, C, H = cfg.hidden, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     pd = jnp.dtype(cfg.param_dtype)
     self.dtype = jnp.dtype(cfg.dtype)
+    self.matmul = cfg.matmul
     self.theta = cfg.rope_theta
     self.q = param(rngs, (D, N, H), ("embed", "heads", "head_dim"), pd)
     self.k = param(rngs, (D, C, H), ("embed", "kv_heads", "head_dim"), pd)
@@ -50,16 +52,16 @@ class Attention(nnx.Module):
     """q (B, S, N, H), k and v (B, S, C, H); q/k normalised per head, then rotated."""
     x = x_BxSxD.astype(self.dtype)
     w = lambda p: p[...].astype(self.dtype)
-    q = jnp.einsum("bsd,dnh->bsnh", x, w(self.q))
-    k = jnp.einsum("bsd,dch->bsch", x, w(self.k))
-    v = jnp.einsum("bsd,dch->bsch", x, w(self.v))
+    q = matmul.einsum("bsd,dnh->bsnh", x, w(self.q), self.matmul)
+    k = matmul.einsum("bsd,dch->bsch", x, w(self.k), self.matmul)
+    v = matmul.einsum("bsd,dch->bsch", x, w(self.v), self.matmul)
     if self.q_norm is not None:
       q, k = self.q_norm(q), self.k_norm(k)
     return rope(q, positions_BxS, self.theta), rope(k, positions_BxS, self.theta), v
 
   def out(self, o_BxSxNxH: Array) -> Array:
-    return jnp.einsum("bsnh,nhd->bsd", o_BxSxNxH.astype(self.dtype),
-                      self.o[...].astype(self.dtype))
+    return matmul.einsum("bsnh,nhd->bsd", o_BxSxNxH.astype(self.dtype),
+                         self.o[...].astype(self.dtype), self.matmul)
 
 
 def _scores(q_BxGxSxCxQxH: Array, k: Array, spec: str, reduce: bool) -> Array:

@@ -10,7 +10,8 @@ DISPATCHES = ("dense", "ragged")
 REMATS = ("none", "full", "dots")
 # How the model runs, not what it computes: a pretrained run takes these from the user's
 # `model` and everything else from the checkpoint (`run.setup`).
-EXECUTION_FIELDS = ("remat", "attention_chunk", "moe_dispatch")
+EXECUTION_FIELDS = ("remat", "attention_chunk", "moe_dispatch", "matmul_dtype")
+MATMUL_DTYPES = ("", "bfloat16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +45,9 @@ class ModelConfig:
   moe_dispatch: str = "dense"                 # "dense" reference or "ragged" (jax.lax.ragged_dot)
   dtype: str = "float32"                      # activations
   param_dtype: str = "float32"
+  # Weight matmuls' inputs rounded to this dtype, products accumulated in float32, forward
+  # and backward (`models.matmul`); "" = the activations' dtype. Dense models only.
+  matmul_dtype: str = ""
   # Execution only (same function, same parameters up to layout):
   scan_layers: bool = False   # one lax.scan over layers stacked on a leading `layers` axis
   remat: str = "none"         # backward pass: "full" recomputes each layer, "dots" keeps matmuls
@@ -87,11 +91,26 @@ class ModelConfig:
     if self.scan_layers and 0 < self.num_moe_layers < self.num_layers:
       raise ValueError("ModelConfig.scan_layers needs every layer alike: set moe_layers=None "
                        f"(all MoE) or scan_layers=False; got moe_layers={self.moe_layers}")
+    if self.matmul_dtype not in MATMUL_DTYPES:
+      raise ValueError(f"ModelConfig.matmul_dtype must be one of {MATMUL_DTYPES} (\"\" = the "
+                       f"activations' dtype); got {self.matmul_dtype!r}")
+    if self.matmul_dtype and self.num_experts:
+      raise ValueError("ModelConfig.matmul_dtype is for dense models: an MoE's expert matmuls "
+                       "(jax.lax.ragged_dot) have no narrow-input path; set model.dtype="
+                       "'bfloat16' to run the whole model in bfloat16 instead")
     for name in ("dtype", "param_dtype"):
       try:
         jnp.dtype(getattr(self, name))
       except TypeError:
         raise ValueError(f"ModelConfig.{name} is not a dtype: {getattr(self, name)!r}") from None
+
+  @property
+  def matmul(self):
+    """The weight matmuls' input dtype for `models.matmul.einsum`; None (the operands'
+    own, as before) when unset or equal to the activations' dtype."""
+    if not self.matmul_dtype or jnp.dtype(self.matmul_dtype) == jnp.dtype(self.dtype):
+      return None
+    return jnp.dtype(self.matmul_dtype)
 
   def is_moe_layer(self, i: int) -> bool:
     if not self.num_experts:

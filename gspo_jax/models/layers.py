@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from gspo_jax.models import matmul
+
 Array = jax.Array
 
 
@@ -60,8 +62,10 @@ def rope(x_BxSxNxH: Array, positions_BxS: Array, theta: float) -> Array:
 class MLP(nnx.Module):
   """SwiGLU: down(silu(x @ gate) * (x @ up))."""
 
-  def __init__(self, hidden: int, mlp_dim: int, *, dtype, param_dtype, rngs: nnx.Rngs):
+  def __init__(self, hidden: int, mlp_dim: int, *, dtype, param_dtype, rngs: nnx.Rngs,
+               matmul_dtype=None):
     self.dtype = dtype
+    self.matmul = matmul_dtype  # `models.matmul.einsum`'s input dtype (None: x's)
     self.gate = param(rngs, (hidden, mlp_dim), ("embed", "mlp"), param_dtype)
     self.up = param(rngs, (hidden, mlp_dim), ("embed", "mlp"), param_dtype)
     self.down = param(rngs, (mlp_dim, hidden), ("mlp", "embed"), param_dtype)
@@ -71,7 +75,8 @@ class MLP(nnx.Module):
     # wrote the (mlp x tokens) activation gradients transposed inside elementwise fusions,
     # and the MLP's forward + backward took about twice as long (same values).
     x = x_BxSxD.astype(self.dtype).reshape(-1, x_BxSxD.shape[-1])
-    g = x @ self.gate[...].astype(self.dtype)
-    u = x @ self.up[...].astype(self.dtype)
-    y = (jax.nn.silu(g) * u) @ self.down[...].astype(self.dtype)
+    mm = lambda a, w: matmul.einsum("nd,df->nf", a, w[...].astype(self.dtype), self.matmul)
+    g = mm(x, self.gate)
+    u = mm(x, self.up)
+    y = mm(jax.nn.silu(g) * u, self.down)
     return y.reshape(*x_BxSxD.shape[:-1], y.shape[-1])

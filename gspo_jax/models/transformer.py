@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from gspo_jax import sharding
+from gspo_jax.models import matmul
 from gspo_jax.models.attention import Attention, attend
 from gspo_jax.models.config import ModelConfig
 from gspo_jax.models.layers import MLP, RMSNorm, param
@@ -131,7 +132,8 @@ class Block(nnx.Module):
     if self.is_moe:
       self.mlp = MoE(cfg, rngs=rngs)
     else:
-      self.mlp = MLP(cfg.hidden, cfg.mlp_dim, dtype=jnp.dtype(cfg.dtype), param_dtype=pd, rngs=rngs)
+      self.mlp = MLP(cfg.hidden, cfg.mlp_dim, dtype=jnp.dtype(cfg.dtype), param_dtype=pd, rngs=rngs,
+                     matmul_dtype=cfg.matmul)
 
   def feed_forward(self, x_BxSxD, valid_BxS, replay_BxSxK):
     """x + mlp(norm(x)); for MoE layers also (indices, aux_loss)."""
@@ -167,9 +169,14 @@ class Transformer(nnx.Module):
     return w.T if self.lm_head is None else w
 
   def logits(self, hidden_xD: Array) -> Array:
-    """Float32 logits of hidden states of any leading shape."""
-    return jnp.einsum("...d,dv->...v", hidden_xD, self.unembed_DxV(),
-                      preferred_element_type=jnp.float32)
+    """Float32 logits of hidden states of any leading shape (`cfg.matmul_dtype`'s inputs,
+    as the teacher-forced log-probs take them)."""
+    if self.cfg.matmul is None:
+      return jnp.einsum("...d,dv->...v", hidden_xD, self.unembed_DxV(),
+                        preferred_element_type=jnp.float32)
+    h_nxD = hidden_xD.reshape(-1, hidden_xD.shape[-1])
+    logits_nxV = matmul.einsum("nd,dv->nv", h_nxD, self.unembed_DxV(), self.cfg.matmul)
+    return logits_nxV.reshape(*hidden_xD.shape[:-1], logits_nxV.shape[-1])
 
   def _embed(self, tokens: Array) -> Array:
     return jnp.take(self.embed[...], tokens, axis=0).astype(self.dtype)

@@ -1,0 +1,75 @@
+"""Weight matmuls whose inputs may be rounded to a narrower dtype, accumulated in float32.
+
+`ModelConfig.matmul_dtype = "bfloat16"` with float32 activations: each weight matmul
+(attention projections, MLP, the output projection) casts both operands to bfloat16 and
+accumulates the products in float32,
+
+    y = einsum(spec, bf16(x), bf16(w))  accumulated in float32,
+    dx = einsum(out,rhs->lhs)(bf16(dy), bf16(w)),  dw = einsum(lhs,out->rhs)(bf16(x), bf16(dy)),
+
+both of the backward's matmuls in the same precision (a custom VJP: JAX's own transpose
+of a float32-accumulating bfloat16 dot multiplies the float32 cotangent by the bfloat16
+operand, which XLA:CPU runs in float32, and rounds the input gradient to bfloat16). Only the
+products' inputs are rounded (8 bits of mantissa); every sum, the residual stream, norms,
+softmax and log-probs stay float32. This is the arithmetic a TPU's MXU does for float32
+matmuls at default precision, and on CPUs with AMX-BF16 / AVX512-BF16 XLA runs it ~3x
+faster than float32 (docs/update_speed.md). On other CPUs it is emulated and slower.
+
+`matmul_dtype` None (the default): the einsum in the operands' own dtype, as before.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+
+def einsum(spec: str, x: Array, w: Array, matmul_dtype=None) -> Array:
+  """`jnp.einsum(spec, x, w)` for a two-operand `spec` ("lhs,rhs->out", explicit letters).
+
+  matmul_dtype None: unchanged. Otherwise operands in `matmul_dtype`, products accumulated
+  and returned in float32, and the same in both matmuls of the backward pass (the gradients
+  come back in x's and w's own dtypes)."""
+  if matmul_dtype is None:
+    return jnp.einsum(spec, x, w)
+  return _narrow_einsum(spec, jnp.dtype(matmul_dtype).name, x, w)
+
+
+def _parse(spec: str) -> tuple[str, str, str]:
+  lhs, rest = spec.replace(" ", "").split(",")
+  rhs, out = rest.split("->")
+  # The transposes below need every letter of an operand in the other operand or the
+  # output (no letter summed within one operand alone), and no ellipsis.
+  if "." in spec or set(lhs) - set(rhs + out) or set(rhs) - set(lhs + out):
+    raise ValueError(f"matmul.einsum: spec {spec!r} is not a plain two-operand contraction")
+  return lhs, rhs, out
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _narrow_einsum(spec: str, dtype: str, x: Array, w: Array) -> Array:
+  _parse(spec)
+  return jnp.einsum(spec, x.astype(dtype), w.astype(dtype), preferred_element_type=jnp.float32)
+
+
+def _fwd(spec, dtype, x, w):
+  xn, wn = x.astype(dtype), w.astype(dtype)
+  y = jnp.einsum(spec, xn, wn, preferred_element_type=jnp.float32)
+  # Residuals in the narrow dtype: half the bytes of float32 ones. The zero-size arrays
+  # carry the operands' own dtypes to the backward pass.
+  return y, (xn, wn, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
+
+
+def _bwd(spec, dtype, res, dy):
+  xn, wn, x_dtype, w_dtype = res
+  lhs, rhs, out = _parse(spec)
+  dyn = dy.astype(dtype)
+  dx = jnp.einsum(f"{out},{rhs}->{lhs}", dyn, wn, preferred_element_type=jnp.float32)
+  dw = jnp.einsum(f"{lhs},{out}->{rhs}", xn, dyn, preferred_element_type=jnp.float32)
+  return dx.astype(x_dtype.dtype), dw.astype(w_dtype.dtype)
+
+
+_narrow_einsum.defvjp(_fwd, _bwd)

@@ -1,0 +1,120 @@
+"""model.matmul_dtype: weight matmuls with bfloat16 inputs and float32 accumulation.
+
+Hand references: the same contraction of the bfloat16-rounded operands computed in float64.
+The backward's two matmuls take bfloat16 operands too (checked in the jaxpr: no float32 x
+bfloat16 dot, which XLA:CPU would run in float32), and their results stay float32. At the
+model level: sampler log-probs equal teacher-forced ones under the option (one function),
+the gap to the float32 model is small but not zero, and a bfloat16 model is unchanged.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from gspo_jax.models import config, matmul, transformer
+from gspo_jax.sampling import SamplerConfig, sample_groups
+from gspo_jax.teacher_forcing import response_logprobs
+
+BF16 = jnp.bfloat16
+SPECS = [("nd,df->nf", (6, 8), (8, 5)), ("bsd,dnh->bsnh", (2, 3, 8), (8, 4, 2)),
+         ("bsnh,nhd->bsd", (2, 3, 4, 2), (4, 2, 8)), ("bkd,dv->bkv", (2, 3, 8), (8, 7))]
+
+
+def rounded64(a):
+  return np.asarray(jnp.asarray(a).astype(BF16).astype(jnp.float32), np.float64)
+
+
+@pytest.mark.parametrize("spec,xs,ws", SPECS)
+def test_forward_and_both_gradients_are_bf16_products_summed_in_float32(spec, xs, ws):
+  kx, kw, kd = jax.random.split(jax.random.key(0), 3)
+  x, w = jax.random.normal(kx, xs), jax.random.normal(kw, ws)
+  y, vjp = jax.vjp(lambda a, b: matmul.einsum(spec, a, b, BF16), x, w)
+  dy = jax.random.normal(kd, y.shape)
+  dx, dw = vjp(dy)
+  assert y.dtype == dx.dtype == dw.dtype == jnp.float32
+  lhs, rest = spec.split(",")
+  rhs, out = rest.split("->")
+  ein = lambda s, a, b: np.einsum(s, a, b)
+  np.testing.assert_allclose(y, ein(spec, rounded64(x), rounded64(w)), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(dx, ein(f"{out},{rhs}->{lhs}", rounded64(dy), rounded64(w)),
+                             rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(dw, ein(f"{lhs},{out}->{rhs}", rounded64(x), rounded64(dy)),
+                             rtol=1e-5, atol=1e-5)
+  # Rounding happened: float32 operands give a different product.
+  assert not np.allclose(y, ein(spec, np.asarray(x, np.float64), np.asarray(w, np.float64)),
+                         rtol=1e-5, atol=1e-5)
+
+
+def test_backward_dots_take_bf16_operands_only():
+  x, w = jnp.ones((4, 8)), jnp.ones((8, 16))
+  jaxpr = jax.make_jaxpr(jax.grad(lambda a, b: matmul.einsum("nd,df->nf", a, b, BF16).sum(),
+                                  argnums=(0, 1)))(x, w)
+  dots = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+  assert len(dots) == 3, jaxpr       # forward, dx, dw
+  for e in dots:
+    assert [v.aval.dtype for v in e.invars] == [BF16, BF16], e
+    assert e.outvars[0].aval.dtype == jnp.float32, e
+
+
+def test_none_is_the_plain_einsum_and_bad_specs_are_named():
+  x, w = jnp.ones((2, 3)), jnp.ones((3, 4))
+  np.testing.assert_array_equal(matmul.einsum("nd,df->nf", x, w), jnp.einsum("nd,df->nf", x, w))
+  with pytest.raises(ValueError, match="not a plain two-operand contraction"):
+    matmul.einsum("nd,de->n", x, w, BF16)
+
+
+def test_config_values():
+  assert config.tiny().matmul is None
+  assert config.tiny(matmul_dtype="bfloat16").matmul == jnp.dtype(BF16)
+  # A bfloat16 model already multiplies in bfloat16: the option changes nothing there.
+  assert config.tiny(dtype="bfloat16", matmul_dtype="bfloat16").matmul is None
+  with pytest.raises(ValueError, match="matmul_dtype must be one of"):
+    config.tiny(matmul_dtype="float16")
+  with pytest.raises(ValueError, match="matmul_dtype is for dense models"):
+    config.tiny_moe(matmul_dtype="bfloat16")
+  assert "matmul_dtype" in config.EXECUTION_FIELDS
+
+
+def twin(model, **overrides):
+  """`model`'s parameters under a config with `overrides` (execution fields only)."""
+  cfg = dataclasses.replace(model.cfg, **overrides)
+  abstract = nnx.eval_shape(lambda: transformer.Transformer(cfg, rngs=nnx.Rngs(0)))
+  return nnx.merge(nnx.graphdef(abstract), nnx.state(model))
+
+
+def test_model_sampler_equals_teacher_forcing_and_gap_to_float32_is_small():
+  f32 = transformer.create(config.tiny(), seed=3)
+  bf = twin(f32, matmul_dtype="bfloat16")
+  rng = np.random.default_rng(0)
+  prompts = jnp.asarray(rng.integers(2, 64, (3, 6)).astype(np.int32))
+  lens = jnp.asarray(np.array([6, 2, 4], np.int32))
+  cfg = SamplerConfig(group_size=2, max_new_tokens=6, eos_id=1, max_prompt_len=8)
+  r = sample_groups(bf, prompts, lens, jax.random.key(0), cfg)
+  teacher = nnx.jit(response_logprobs)
+  lp_bf, _ = teacher(bf, prompts, lens, r.tokens_BxGxT)
+  lp_32, _ = teacher(f32, prompts, lens, r.tokens_BxGxT)
+  mask = np.asarray(r.mask_BxGxT)
+  np.testing.assert_allclose(np.asarray(lp_bf) * mask, r.logp_BxGxT, rtol=1e-5, atol=1e-5)
+  gap = np.abs(np.asarray(lp_bf) - np.asarray(lp_32))[mask > 0]
+  assert 0 < gap.max() < 0.05, gap.max()
+
+
+def test_model_gradients_close_to_float32():
+  f32 = transformer.create(config.tiny(), seed=5)
+  bf = twin(f32, matmul_dtype="bfloat16")
+  tokens = jnp.asarray(np.random.default_rng(1).integers(2, 64, (2, 9)).astype(np.int32))
+  prompts, lens, resp = tokens[:, :4], jnp.array([4, 3], jnp.int32), tokens[:, None, 4:]
+
+  def grads(m):
+    graphdef, params = nnx.split(m)
+    loss = lambda p: response_logprobs(nnx.merge(graphdef, p), prompts, lens, resp)[0].sum()
+    return jax.grad(loss)(params)
+  g32, gbf = jax.tree.leaves(grads(f32)), jax.tree.leaves(grads(bf))
+  assert all(g.dtype == jnp.float32 for g in gbf)
+  num = sum(float(jnp.sum((a - b) ** 2)) for a, b in zip(g32, gbf)) ** 0.5
+  den = sum(float(jnp.sum(a ** 2)) for a in g32) ** 0.5
+  assert 0 < num / den < 0.05, num / den
