@@ -13,6 +13,7 @@ import dataclasses
 import json
 import os
 import shutil
+import time
 
 import numpy as np
 
@@ -124,7 +125,12 @@ def run_one(out: str, name: str, seed: int, cfg: TrainConfig) -> str:
   os.makedirs(run_dir)
   shutil.copytree(os.path.join(start, "checkpoints"), os.path.join(run_dir, "checkpoints"))
   shutil.copy(os.path.join(start, "tokenizer.model"), run_dir)
+  started, load = time.time(), os.getloadavg()
   summary = train.train(cfg, run_dir, resume=True, progress=False, checkpoint_every=0, keep=1)
+  # How this run was made (its commit, command, CPU, load): a long experiment spans
+  # sessions and machines' moods, so each run keeps its own.
+  with open(os.path.join(run_dir, "provenance.json"), "w") as f:
+    json.dump(_results.provenance(started, load), f, indent=2)
   with open(os.path.join(run_dir, "summary.json"), "w") as f:
     json.dump({k: v for k, v in summary.items() if k != "last"}, f, indent=2)
   return run_dir
