@@ -225,3 +225,22 @@ def test_the_local_devices_are_planned_like_a_topology():
   assert update["fits"] and update["peak"] > 0 and "time_s" not in update
   assert update["flops"] > 0 and "iteration_s" not in report
   assert "unknown HBM per chip" in plan.format_report(report)
+
+
+def test_an_expert_parallel_moe_update_compiles_for_tpu_without_activation_all_reduces(libtpu):
+  """A tiny MoE's update on v5e:2x2: with the experts split by their width over fsdp the
+  routed tokens' expert activations (f32[tokens, moe_mlp]) are all-reduced; with
+  mesh.expert=2 they are not, tokens travel by all-gather / reduce-scatter instead, and the
+  update sends several times fewer all-reduce bytes."""
+  import re
+  moe = ("model.num_experts=8", "model.experts_per_token=2", "model.moe_mlp_dim=64",
+         "model.moe_dispatch=ragged", "mesh.data=1")
+  before = plan.plan(smoke(*moe, "mesh.fsdp=4"), "v5e:2x2", only=("update",))
+  after = plan.plan(smoke(*moe, "mesh.fsdp=2", "mesh.expert=2"), "v5e:2x2", only=("update",))
+  assert after["mesh"]["expert"] == 2 and after["fits"]
+  rows = lambda r: {int(n) for op in r["programs"]["update"]["collective_bytes"]["largest"]
+                    if op["kind"] == "all-reduce" for n in re.findall(r"f32\[(\d+),64\]", op["shape"])}
+  assert rows(before), before["programs"]["update"]["collective_bytes"]["largest"]
+  assert not rows(before) & rows(after)
+  b, a = (r["programs"]["update"]["collective_bytes"] for r in (before, after))
+  assert a["reduce-scatter"] > 0 and a["all-reduce"] * 4 < b["all-reduce"]
