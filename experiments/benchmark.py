@@ -33,7 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import _bench, _bench_bandwidth, _bench_decode, _bench_long, _results
+from experiments import (_bench, _bench_bandwidth, _bench_decode, _bench_long, _bench_matmul,
+                         _results)
 from experiments._bench import machine, timed, update_flops, write
 from gspo_jax.logprobs import token_logprobs, token_logprobs_from_hidden
 
@@ -636,6 +637,7 @@ def build_parser() -> argparse.ArgumentParser:
   _bench_long.add_parser(sub)
   _bench_decode.add_parser(sub)
   _bench_bandwidth.add_parser(sub)
+  _bench_matmul.add_parser(sub)
   return parser
 
 
@@ -644,7 +646,8 @@ LAYER_MODES = ("unrolled", "scan")
 BENCHES = {"peak": bench_peak, "train": bench_train, "logprobs": bench_logprobs,
            "sampler": bench_sampler, "prefix": bench_prefix, "iteration": bench_iteration,
            "compile": bench_compile, "long": _bench_long.bench_long,
-           "decode": _bench_decode.bench_decode, "bandwidth": _bench_bandwidth.bench_bandwidth}
+           "decode": _bench_decode.bench_decode, "bandwidth": _bench_bandwidth.bench_bandwidth,
+           "matmul": _bench_matmul.bench_matmul}
 # `all`: each measurement at a size that keeps the whole run to a few minutes on 2 CPU cores.
 QUICK = {
     "peak": ["peak", "--sizes", "512", "1024", "--repeats", "3"],

@@ -56,6 +56,18 @@ def test_benchmark_bandwidth_runs(tmp_path, monkeypatch):
   assert f32["step_bytes"] > f32["param_bytes"] and f32["seconds"] > 0
 
 
+def test_benchmark_matmul_runs(tmp_path, monkeypatch):
+  argv = ["benchmark.py", "--out", str(tmp_path), "matmul", "--shape", "tiny", "--prompts", "2",
+          "--group", "2", "--prompt-len", "4", "--new-tokens", "4", "--repeats", "1"]
+  monkeypatch.setattr(sys, "argv", argv)
+  runpy.run_module("experiments.benchmark", run_name="__main__")
+  (row,) = json.load(open(tmp_path / "benchmark_matmul.json"))["result"]["rows"]
+  gap = row["logp_gap"]
+  # bfloat16 inputs move the log-probs, but not far: the same weights, the same tokens.
+  assert 0 < gap["token_mean_abs"] <= gap["token_max_abs"] < 0.5
+  assert row["float32"]["seconds"] > 0 and row["bf16_matmul"]["seconds"] > 0
+
+
 def test_benchmark_long_runs(tmp_path, monkeypatch):
   argv = ["benchmark.py", "--out", str(tmp_path), "long", "--new-tokens", "12", "--width", "16",
           "--vocab", "32", "--prompts", "2", "--group", "2", "--prompt-len", "4", "--rows", "2",
