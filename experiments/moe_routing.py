@@ -117,34 +117,39 @@ def changes(before: np.ndarray, after: np.ndarray, logp_before, logp_after,
 
 
 def run(quick: bool, lrs, out: str, layers=(2,), minibatches=(4,), seeds=(0,)) -> dict:
-  results, starts = {}, {}
+  results = {}
   run_dir = os.path.join(out, "runs", "setup")  # the task tokenizer (ignored by git)
-  for L, mb, seed, lr in ((L, mb, seed, lr) for L in layers for mb in minibatches
-                          for seed in seeds for lr in lrs):
-    suffix = "" if (L, mb, seed) == DEFAULT else f"_L{L}_mb{mb}_seed{seed}"
-    base = setup(config(quick, lr, L, mb, seed), run_dir)
-    probe = lambda params, examples: evaluate.evaluate(base, params, examples)["accuracy"]
-    # The cold start depends on the model and seed only (its own SFT settings, not the RL
-    # learning rate or minibatches): made once per (layers, seed), copied for each update.
-    if (L, seed) not in starts:
-      starts[L, seed] = coldstart.cold_start(base, probe_accuracy=probe, log=lambda *a: None)
-    base.state = base.programs.init(jax.tree.map(jnp.copy, starts[L, seed]))
-    r = rollout_step(base, base.state.params, base.state.key, 0)
-    B, G, T = r.batch.tokens_BxGxT.shape
-    mask = np.asarray(r.batch.mask_BxGxT).reshape(B * G, T) > 0
-    # Routing depends on the parameters only (not on the loss): one program for all.
-    sets, logp = expert_sets(base.graphdef, base.cfg)
-    before, logp_before = sets(base.state.params, r.batch), logp(base.state.params, r.batch)
-    for loss in LOSSES:
-      run = base.reconfigure(dataclasses.replace(base.cfg, loss=LossConfig(name=loss)))
-      # The update donates its state: each loss starts from its own copy of the same one.
-      new, metrics = run.programs.update(jax.tree.map(jnp.copy, base.state), r.batch,
-                                         r.rewards_BxG)
-      found = changes(before, sets(new.params, r.batch), logp_before, logp(new.params, r.batch),
-                      mask)
-      results[f"{loss}_lr{lr:g}{suffix}"] = {
-          **found, "clip_frac_token": float(metrics["clip_frac_token"]),
-          "reward_mean": float(r.stats["reward_mean"]), "tokens": int(mask.sum())}
+  for L, seed in ((L, seed) for L in layers for seed in seeds):
+    start = None
+    for lr in lrs:
+      # One setup per learning rate (the optimiser holds it); the minibatch count and the
+      # loss only change the update program (`Run.reconfigure`).
+      base = setup(config(quick, lr, L, minibatches[0], seed), run_dir)
+      probe = lambda params, examples: evaluate.evaluate(base, params, examples)["accuracy"]
+      # The cold start depends on the model and seed only (its own SFT settings, not the
+      # RL learning rate or minibatches): made once per (layers, seed), copied for each.
+      if start is None:
+        start = coldstart.cold_start(base, probe_accuracy=probe, log=lambda *a: None)
+      base.state = base.programs.init(jax.tree.map(jnp.copy, start))
+      # The rollout depends on the cold start and the key only: the same for every update.
+      r = rollout_step(base, base.state.params, base.state.key, 0)
+      B, G, T = r.batch.tokens_BxGxT.shape
+      mask = np.asarray(r.batch.mask_BxGxT).reshape(B * G, T) > 0
+      # Routing depends on the parameters only (not on the loss): one program for all.
+      sets, logp = expert_sets(base.graphdef, base.cfg)
+      before, logp_before = sets(base.state.params, r.batch), logp(base.state.params, r.batch)
+      for mb, loss in ((mb, loss) for mb in minibatches for loss in LOSSES):
+        suffix = "" if (L, mb, seed) == DEFAULT else f"_L{L}_mb{mb}_seed{seed}"
+        run = base.reconfigure(dataclasses.replace(base.cfg, num_minibatches=mb,
+                                                   loss=LossConfig(name=loss)))
+        # The update donates its state: each starts from its own copy of the same one.
+        new, metrics = run.programs.update(jax.tree.map(jnp.copy, base.state), r.batch,
+                                           r.rewards_BxG)
+        found = changes(before, sets(new.params, r.batch), logp_before,
+                        logp(new.params, r.batch), mask)
+        results[f"{loss}_lr{lr:g}{suffix}"] = {
+            **found, "clip_frac_token": float(metrics["clip_frac_token"]),
+            "reward_mean": float(r.stats["reward_mean"]), "tokens": int(mask.sum())}
   return results
 
 
