@@ -216,8 +216,8 @@ def load(directory: str, *, mesh=None, param_dtype: str | None = None,
     mesh: place each parameter directly in its sharding (`sharding.PARAM_RULES`); None =
       the default device.
     param_dtype, dtype: override the stored dtype (bf16 checkpoints stay bf16 by default).
-    execution: values of `config.EXECUTION_FIELDS` (remat, attention_chunk, moe_dispatch) to
-      run the model with; they change no parameter.
+    execution: values of `config.EXECUTION_FIELDS` (remat, attention_chunk, moe_dispatch,
+      matmul_dtype) to run the model with; they change no parameter.
     scan_layers: load into the scanned model (`ModelConfig.scan_layers`): each weight of
       the L layers stacked on a leading `layers` axis (`stacked_tensor_map`); one stacked
       weight at a time is held on the host.
