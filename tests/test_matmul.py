@@ -118,3 +118,19 @@ def test_model_gradients_close_to_float32():
   num = sum(float(jnp.sum((a - b) ** 2)) for a, b in zip(g32, gbf)) ** 0.5
   den = sum(float(jnp.sum(a ** 2)) for a in g32) ** 0.5
   assert 0 < num / den < 0.05, num / den
+
+
+@pytest.mark.parametrize("remat", ["full", "dots"])
+def test_remat_recomputes_the_same_bf16_gradients(remat):
+  f32 = transformer.create(config.tiny(), seed=7)
+  plain, recomputed = twin(f32, matmul_dtype="bfloat16"), twin(f32, matmul_dtype="bfloat16",
+                                                                remat=remat)
+  tokens = jnp.asarray(np.random.default_rng(2).integers(2, 64, (2, 8)).astype(np.int32))
+  prompts, lens, resp = tokens[:, :3], jnp.array([3, 2], jnp.int32), tokens[:, None, 3:]
+
+  def grads(m):
+    graphdef, params = nnx.split(m)
+    loss = lambda p: response_logprobs(nnx.merge(graphdef, p), prompts, lens, resp)[0].sum()
+    return jax.tree.leaves(jax.jit(jax.grad(loss))(params))
+  for a, b in zip(grads(plain), grads(recomputed)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
