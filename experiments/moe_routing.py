@@ -120,6 +120,15 @@ def run(quick: bool, lrs, out: str, layers=(2,), minibatches=(4,), seeds=(0,)) -
   results = {}
   run_dir = os.path.join(out, "runs", "setup")  # the task tokenizer (ignored by git)
   for L, seed in ((L, seed) for L in layers for seed in seeds):
+    # Each (layers, seed)'s results are kept as they finish, so a sweep cut short (a
+    # session's end) resumes where it stopped; they depend on nothing else.
+    part = os.path.join(out, "runs", "parts", f"L{L}_seed{seed}_mb{'-'.join(map(str, minibatches))}"
+                        f"_lr{'-'.join(f'{x:g}' for x in lrs)}{'_quick' if quick else ''}.json")
+    if os.path.exists(part):
+      with open(part) as f:
+        results.update(json.load(f))
+      continue
+    mine = {}
     start = None
     for lr in lrs:
       # One setup per learning rate (the optimiser holds it); the minibatch count and the
@@ -147,9 +156,14 @@ def run(quick: bool, lrs, out: str, layers=(2,), minibatches=(4,), seeds=(0,)) -
                                            r.rewards_BxG)
         found = changes(before, sets(new.params, r.batch), logp_before,
                         logp(new.params, r.batch), mask)
-        results[f"{loss}_lr{lr:g}{suffix}"] = {
+        mine[f"{loss}_lr{lr:g}{suffix}"] = {
             **found, "clip_frac_token": float(metrics["clip_frac_token"]),
             "reward_mean": float(r.stats["reward_mean"]), "tokens": int(mask.sum())}
+    os.makedirs(os.path.dirname(part), exist_ok=True)
+    with open(part + ".tmp", "w") as f:
+      json.dump(mine, f)
+    os.replace(part + ".tmp", part)
+    results.update(mine)
   return results
 
 
