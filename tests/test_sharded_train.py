@@ -148,3 +148,18 @@ def test_model_too_large_for_one_device_initialises_sharded():
   memory = program.lower().compile().memory_analysis()
   assert memory.output_size_in_bytes == pytest.approx(total / 8, rel=1e-3)
   assert memory.output_size_in_bytes + memory.temp_size_in_bytes < total / 2
+
+
+def test_bf16_matmul_inputs_sharded_equal_single_device(run_dir):
+  """model.matmul_dtype=bfloat16 on a 2x2x2 mesh: the rounding is elementwise, so the
+  sharded run differs from one device by float32 summation order only."""
+  bf16 = lambda mesh: dataclasses.replace(small_cfg(mesh), model=dataclasses.replace(
+      small_cfg(mesh).model, matmul_dtype="bfloat16"))
+  ref_run = R.setup(bf16(sharding.MeshConfig(num_devices=1)), run_dir)
+  run = R.setup(bf16(MESHES["2x2x2"]), run_dir)
+  ref_rollout, _, _, ref_metrics, _ = one_step(ref_run)
+  rollout, _, _, metrics, _ = one_step(run)
+  np.testing.assert_array_equal(host(rollout.tokens_BxGxT), host(ref_rollout.tokens_BxGxT))
+  np.testing.assert_allclose(host(rollout.logp_BxGxT), host(ref_rollout.logp_BxGxT), atol=2e-5)
+  for k in ("loss", "grad_norm", "kl", "clip_frac_token"):
+    assert float(metrics[k]) == pytest.approx(float(ref_metrics[k]), rel=1e-5, abs=1e-6), k

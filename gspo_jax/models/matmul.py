@@ -36,6 +36,14 @@ def einsum(spec: str, x: Array, w: Array, matmul_dtype=None) -> Array:
   come back in x's and w's own dtypes)."""
   if matmul_dtype is None:
     return jnp.einsum(spec, x, w)
+  # Inside shard_map, an operand may vary over fewer mesh axes than the other (hidden states
+  # replicated over `tensor` against a vocabulary split by it). The custom VJP must return
+  # each gradient with its operand's type, so both are made to vary alike first: the cast's
+  # own transpose then sums the gradient over the axes the operand did not vary over.
+  vma = lambda a: frozenset(getattr(getattr(jax.typeof(a), "mat", None), "varying", ()))
+  both = vma(x) | vma(w)
+  x, w = (jax.lax.pcast(a, tuple(sorted(both - vma(a))), to="varying") if both - vma(a) else a
+          for a in (x, w))
   return _narrow_einsum(spec, jnp.dtype(matmul_dtype).name, x, w)
 
 
