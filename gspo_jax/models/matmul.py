@@ -77,6 +77,10 @@ def _bwd(spec, dtype, res, dy):
   dyn = dy.astype(dtype)
   dx = jnp.einsum(f"{out},{rhs}->{lhs}", dyn, wn, preferred_element_type=jnp.float32)
   dw = jnp.einsum(f"{lhs},{out}->{rhs}", xn, dyn, preferred_element_type=jnp.float32)
+  # Without the barrier XLA folds a transpose that follows (a tied embedding's gradient,
+  # w = table.T) into the dot's output layout, which XLA:CPU's runtime dot does not run
+  # for bfloat16 x bfloat16 -> float32 ("Unsupported element type for DotThunk").
+  dx, dw = jax.lax.optimization_barrier((dx, dw))
   return dx.astype(x_dtype.dtype), dw.astype(w_dtype.dtype)
 
 
