@@ -115,7 +115,7 @@ def test_model_gradients_close_to_float32(tied):
   def grads(m):
     graphdef, params = nnx.split(m)
     loss = lambda p: response_logprobs(nnx.merge(graphdef, p), prompts, lens, resp)[0].sum()
-    return jax.grad(loss)(params)
+    return jax.jit(jax.grad(loss))(params)
   g32, gbf = jax.tree.leaves(grads(f32)), jax.tree.leaves(grads(bf))
   assert all(g.dtype == jnp.float32 for g in gbf)
   num = sum(float(jnp.sum((a - b) ** 2)) for a, b in zip(g32, gbf)) ** 0.5
