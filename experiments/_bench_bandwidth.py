@@ -11,7 +11,8 @@ of each prompt shared by its G responses) on one model at `--shape` (default Smo
 30 layers, d 576, 9 / 3 heads of 64, MLP 1,536, vocab 49,152, tied embeddings), B prompts x
 G responses, P prompt tokens, T new tokens, EOS never drawn. Variants: float32; the
 bfloat16 sampler (`rollout.sampler_dtype=bfloat16`: parameters and activations cast inside
-the program); each with a bfloat16 KV cache (`rollout.kv_cache_dtype`). ms per decode step
+the program); float32 weights with bfloat16 matmul inputs accumulated in float32
+(`model.matmul_dtype`); each with a bfloat16 KV cache (`rollout.kv_cache_dtype`). ms per decode step
 = (seconds at T - seconds at T = 1) / (T - 1). Bytes a decode step must read at least: every
 weight once (the embedding table too: tied, it is the unembedding) plus the KV cache up to
 the current position, the prompt's part once per prompt and each response's own part once
@@ -34,8 +35,10 @@ SHAPES = {"smollm2": dict(vocab_size=49152, hidden=576, num_layers=30, num_heads
                           num_kv_heads=3, head_dim=64, mlp_dim=1536, tie_embeddings=True),
           "tiny": dict(vocab_size=4096, hidden=256, num_layers=2, num_heads=8, num_kv_heads=4,
                        head_dim=32, mlp_dim=768)}
-VARIANTS = {"float32": ("", ""), "float32_bf16_cache": ("", "bfloat16"),
-            "bf16_sampler": ("bfloat16", ""), "bf16_sampler_bf16_cache": ("bfloat16", "bfloat16")}
+# (rollout.sampler_dtype, rollout.kv_cache_dtype, model.matmul_dtype)
+VARIANTS = {"float32": ("", "", ""), "float32_bf16_cache": ("", "bfloat16", ""),
+            "bf16_sampler": ("bfloat16", "", ""), "bf16_sampler_bf16_cache": ("bfloat16", "bfloat16", ""),
+            "bf16_matmul": ("", "", "bfloat16"), "bf16_matmul_bf16_cache": ("", "bfloat16", "bfloat16")}
 
 
 def add_parser(sub) -> None:
@@ -99,8 +102,10 @@ def bench_bandwidth(args) -> dict:
   lens = jnp.full((B,), P, jnp.int32)
   cases = {}
   for v in args.variants:
-    dtype, cache = VARIANTS[v]
-    gd = programs._cast_graphdef(mcfg, dtype) if dtype else graphdef
+    dtype, cache, mm = VARIANTS[v]
+    vcfg = dataclasses.replace(mcfg, matmul_dtype=mm)
+    gd = programs._cast_graphdef(vcfg, dtype) if dtype else nnx.graphdef(nnx.eval_shape(
+        lambda vcfg=vcfg: transformer.Transformer(vcfg, rngs=nnx.Rngs(0))))
     cast = (lambda p, d=dtype: jax.tree.map(lambda x: x.astype(d), p)) if dtype else (lambda p: p)
     for t in (1, T):
       scfg = sampling.SamplerConfig(group_size=G, max_new_tokens=t, eos_id=mcfg.vocab_size,
@@ -118,7 +123,7 @@ def bench_bandwidth(args) -> dict:
       times[k].append(time.perf_counter() - t0)
   rows = []
   for v in args.variants:
-    dtype, cache = VARIANTS[v]
+    dtype, cache, _ = VARIANTS[v]
     item = jnp.dtype(dtype or mcfg.param_dtype).itemsize
     pbytes = sum(x.size for x in jax.tree.leaves(params)) * item
     cache_item = jnp.dtype(cache or dtype or mcfg.dtype).itemsize

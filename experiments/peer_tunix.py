@@ -282,6 +282,8 @@ def bench_sampling(tx, ours, theirs, args) -> dict:
   fns = {"ours": our_sampler(ours, prompts, args),
          "theirs": their_sampler(tx, theirs, prompts, args),
          "ours_repeated_prompts": our_sampler_repeated(ours, prompts, args)}
+  if args.fast_variants:  # the same weights with bfloat16 matmul inputs (float32 accumulation)
+    fns["ours_bf16_matmul"] = our_sampler(with_matmul_dtype(ours, "bfloat16"), prompts, args)
   first, outputs = {}, {}
   for name, fn in fns.items():
     first[name], outputs[name] = first_call(fn)
@@ -303,7 +305,17 @@ def bench_sampling(tx, ours, theirs, args) -> dict:
                                               out["ours_repeated_prompts"]["seconds"])
   out["speedup_paired"] = paired_speedup(times, "theirs", "ours")
   out["speedup_repeated_paired"] = paired_speedup(times, "theirs", "ours_repeated_prompts")
+  if "ours_bf16_matmul" in fns:
+    out["speedup_bf16_matmul_over_theirs"] = out["theirs"]["seconds"] / out["ours_bf16_matmul"]["seconds"]
+    out["speedup_bf16_matmul_paired"] = paired_speedup(times, "theirs", "ours_bf16_matmul")
   return out
+
+
+def with_matmul_dtype(model, matmul_dtype: str):
+  """`model`'s parameters under its config with `model.matmul_dtype` set."""
+  mcfg = dataclasses.replace(model.cfg, matmul_dtype=matmul_dtype)
+  abstract = nnx.eval_shape(lambda: transformer.Transformer(mcfg, rngs=nnx.Rngs(0)))
+  return nnx.merge(nnx.graphdef(abstract), nnx.state(model))
 
 
 # ------------------------------------------------------------------------------ update
@@ -354,9 +366,7 @@ class OurUpdate:
   def __init__(self, ours, batch: step.Batch, rewards_BxG, args, share_prompts: bool = False,
                matmul_dtype: str = "", row_skip: bool = False):
     if matmul_dtype:
-      mcfg = dataclasses.replace(ours.cfg, matmul_dtype=matmul_dtype)
-      abstract = nnx.eval_shape(lambda: transformer.Transformer(mcfg, rngs=nnx.Rngs(0)))
-      ours = nnx.merge(nnx.graphdef(abstract), nnx.state(ours))
+      ours = with_matmul_dtype(ours, matmul_dtype)
     cfg = our_train_config(ours.cfg, args, share_prompts, row_skip)
     graphdef, params = nnx.split(ours, nnx.Param)
     params = jax.tree.map(jnp.copy, params)  # the state is donated: keep `ours` intact
@@ -504,13 +514,16 @@ def print_sampling(r: dict, s: dict) -> None:
   print(f"{'side':38} {'seconds':>8} {'tokens/s':>10} {'first call s':>13}")
   names = {"ours": "ours (sample_groups, shared prefix)",
            "ours_repeated_prompts": "ours, prompts repeated G times",
-           "theirs": "tunix (VanillaRollout / Sampler)"}
-  for k, label in names.items():
+           "theirs": "tunix (VanillaRollout / Sampler)",
+           "ours_bf16_matmul": "ours, model.matmul_dtype=bfloat16"}
+  for k, label in [(k, v) for k, v in names.items() if k in s]:
     x = s[k]
     print(f"{label:38} {x['seconds']:8.3f} {x['tokens_per_s']:10.0f} {x['first_call_seconds']:13.2f}")
   print(f"ours / tunix tokens/s: {s['speedup_ours_over_theirs']:.2f}x, paired "
         f"{s['speedup_paired']:.2f}x (without prefix sharing: "
-        f"{s['speedup_ours_repeated_over_theirs']:.2f}x, paired {s['speedup_repeated_paired']:.2f}x)")
+        f"{s['speedup_ours_repeated_over_theirs']:.2f}x, paired {s['speedup_repeated_paired']:.2f}x)"
+        + (f"; bfloat16 matmul inputs {s['speedup_bf16_matmul_over_theirs']:.2f}x, paired "
+           f"{s['speedup_bf16_matmul_paired']:.2f}x" if "ours_bf16_matmul" in s else ""))
 
 
 def print_update(r: dict) -> None:
@@ -597,6 +610,8 @@ def main(argv=None):
       **{**vars(args), "new_tokens": T})) for T in args.new_tokens]
   record["target_met"] = {"sampling": all(s["speedup_ours_over_theirs"] >= TARGET_SPEEDUP
                                           for s in record["sampling"])}
+  if record["sampling"] and not args.sampling_only:  # kept should the update fail
+    _results.write_record(args, "peer_tunix.json", record)
   if not args.sampling_only:
     record["updates"] = [bench_update(tx, ours, argparse.Namespace(**{**vars(args), "new_tokens": T}))
                          for T in (args.update_tokens or args.new_tokens[:1])]
