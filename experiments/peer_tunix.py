@@ -439,25 +439,29 @@ def max_abs_diff_ours(model_a, model_b) -> float:
 def bench_update(tx, ours, args) -> dict:
   batch, rewards = update_batch(ours, args)
   theirs = their_model_from(tx, ours)
-  steps = {name: OurUpdate(ours, batch, rewards, args, *VARIANTS[name])
-           for name in VARIANTS if name in ("ours", "ours_shared_prompts") or args.fast_variants}
-  our_step, shared_step = steps["ours"], steps["ours_shared_prompts"]
-  their_step = TheirUpdate(tx, theirs, batch, rewards, our_step.tx, args)
+  names = [n for n in VARIANTS if (n in ("ours", "ours_shared_prompts") or args.fast_variants)
+           and n not in args.skip_variants]
+  steps = {name: OurUpdate(ours, batch, rewards, args, *VARIANTS[name]) for name in names}
+  ref = steps.get("ours") or next(iter(steps.values()))
+  their_step = TheirUpdate(tx, theirs, batch, rewards, ref.tx, args)
   firsts = {name: first_call(fn) for name, fn in steps.items()}
-  (first_ours, m_ours), (first_shared, m_shared) = firsts["ours"], firsts["ours_shared_prompts"]
   first_theirs, m_theirs = first_call(their_step)
-  check = {"loss_ours": float(m_ours["loss"]), "loss_theirs": float(m_theirs["loss"]),
-           "grad_norm_ours": float(m_ours["grad_norm"]),
+  m_ref = firsts["ours" if "ours" in steps else names[0]][1]
+  check = {"loss_ours": float(m_ref["loss"]), "loss_theirs": float(m_theirs["loss"]),
+           "grad_norm_ours": float(m_ref["grad_norm"]),
            "grad_norm_theirs": float(m_theirs["grad_norm"]),
-           "clip_frac_seq_ours": float(m_ours["clip_frac_seq"]),
+           "clip_frac_seq_ours": float(m_ref["clip_frac_seq"]),
            "clip_frac_token_theirs": float(m_theirs["pg_clipfrac"]),
            # Adam's first step moves each parameter by about lr * sign(gradient): the
            # scale against which the difference between the two updated models is small.
-           "max_abs_param_change_ours": max_abs_diff_ours(our_step.model(), ours),
-           "max_abs_param_diff_after_step": max_abs_diff(our_step.model(), theirs),
-           "loss_ours_shared": float(m_shared["loss"]),
-           "grad_norm_ours_shared": float(m_shared["grad_norm"]),
-           "max_abs_param_diff_shared_after_step": max_abs_diff(shared_step.model(), theirs)}
+           "max_abs_param_change_ours": max_abs_diff_ours(ref.model(), ours),
+           "max_abs_param_diff_after_step": max_abs_diff(ref.model(), theirs)}
+  if "ours_shared_prompts" in steps:
+    m_shared = firsts["ours_shared_prompts"][1]
+    check.update(loss_ours_shared=float(m_shared["loss"]),
+                 grad_norm_ours_shared=float(m_shared["grad_norm"]),
+                 max_abs_param_diff_shared_after_step=max_abs_diff(
+                     steps["ours_shared_prompts"].model(), theirs))
   for name in set(steps) - {"ours", "ours_shared_prompts"}:
     m = firsts[name][1]
     check[f"loss_{name}"], check[f"grad_norm_{name}"] = float(m["loss"]), float(m["grad_norm"])
@@ -476,11 +480,10 @@ def bench_update(tx, ours, args) -> dict:
   for name in set(steps) - {"ours", "ours_shared_prompts"}:
     out[f"speedup_{name}_over_theirs"] = out["theirs"]["seconds"] / out[name]["seconds"]
     out[f"speedup_{name}_paired"] = paired_speedup(times, "theirs", name)
-  out["speedup_ours_over_theirs"] = out["theirs"]["seconds"] / out["ours"]["seconds"]
-  out["speedup_paired"] = paired_speedup(times, "theirs", "ours")
-  out["speedup_ours_shared_over_theirs"] = (out["theirs"]["seconds"] /
-                                            out["ours_shared_prompts"]["seconds"])
-  out["speedup_shared_paired"] = paired_speedup(times, "theirs", "ours_shared_prompts")
+  for name, short in (("ours", ""), ("ours_shared_prompts", "_shared")):
+    if name in steps:
+      out[f"speedup_ours{short}_over_theirs"] = out["theirs"]["seconds"] / out[name]["seconds"]
+      out[f"speedup{short}_paired"] = paired_speedup(times, "theirs", name)
   return out
 
 
@@ -501,10 +504,7 @@ def print_report(r: dict) -> None:
   met = lambda k: "met" if r["target_met"][k] else "NOT met"
   print(f"\ntarget >= {TARGET_SPEEDUP}x: sampling "
         + (met('sampling') if r["sampling"] else "not measured")
-        + (f", update {met('update')} ({met('update_share_prompts')} with share_prompts"
-           + "".join(f"; {met('update_' + n)} {n}" for n in ("ours_bf16", "ours_bf16_skip")
-                     if "update_" + n in r["target_met"]) + ")"
-           if "update" in r else "")
+        + "".join(f", {k} {met(k)}" for k in r["target_met"] if k.startswith("update"))
         + f"; load average {r['load_average_before'][0]:.2f} -> {r['load_average_after'][0]:.2f}")
 
 
@@ -535,17 +535,19 @@ def print_update(r: dict) -> None:
         f"by <= {c['max_abs_param_diff_after_step']:.1e} (ours moved them by <= "
         f"{c['max_abs_param_change_ours']:.1e})")
   print(f"{'side':38} {'seconds':>8} {'first call s':>13}")
-  print(f"{'ours (step.update)':38} {u['ours']['seconds']:8.3f} "
-        f"{u['ours']['first_call_seconds']:13.2f}")
-  x = u["ours_shared_prompts"]
-  print(f"{'ours, share_prompts=True':38} {x['seconds']:8.3f} {x['first_call_seconds']:13.2f}")
-  print(f"{'tunix (rl Trainer train step)':38} {u['theirs']['seconds']:8.3f} "
-        f"{u['theirs']['first_call_seconds']:13.2f}")
-  print(f"ours / tunix update speed: {u['speedup_ours_over_theirs']:.2f}x, paired "
-        f"{u['speedup_paired']:.2f}x; with share_prompts {u['speedup_ours_shared_over_theirs']:.2f}x, "
-        f"paired {u['speedup_shared_paired']:.2f}x (median of {r['args']['update_repeats']}, "
-        f"interleaved; shared first step: loss {c['loss_ours_shared']:.6f}, params within "
-        f"{c['max_abs_param_diff_shared_after_step']:.1e} of tunix's)")
+  for name, label in (("ours", "ours (step.update)"), ("ours_shared_prompts", "ours, share_prompts=True"),
+                      ("theirs", "tunix (rl Trainer train step)")):
+    if name in u:
+      print(f"{label:38} {u[name]['seconds']:8.3f} {u[name]['first_call_seconds']:13.2f}")
+  if "ours" in u and "ours_shared_prompts" in u:
+    print(f"ours / tunix update speed: {u['speedup_ours_over_theirs']:.2f}x, paired "
+          f"{u['speedup_paired']:.2f}x; with share_prompts {u['speedup_ours_shared_over_theirs']:.2f}x, "
+          f"paired {u['speedup_shared_paired']:.2f}x (median of {r['args']['update_repeats']}, "
+          f"interleaved; shared first step: loss {c['loss_ours_shared']:.6f}, params within "
+          f"{c['max_abs_param_diff_shared_after_step']:.1e} of tunix's)")
+  elif "ours_shared_prompts" in u:
+    print(f"ours with share_prompts / tunix: {u['speedup_ours_shared_over_theirs']:.2f}x, paired "
+          f"{u['speedup_shared_paired']:.2f}x")
   for name in [n for n in VARIANTS if n in u and n not in ("ours", "ours_shared_prompts")]:
     dead = c.get(f"row_skip_dead_frac_{name}")
     print(f"{name:38} {u[name]['seconds']:8.3f} {u[name]['first_call_seconds']:13.2f}  "
@@ -575,6 +577,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--update-only", action="store_true", help="skip the sampling comparison")
   p.add_argument("--update-tokens", type=int, nargs="+", default=None,
                  help="T of each update comparison (default: the first --new-tokens)")
+  p.add_argument("--skip-variants", nargs="+", default=[], choices=list(VARIANTS),
+                 help="leave these of our update's variants out (memory: each holds a copy "
+                      "of the state and its compiled programs)")
   p.add_argument("--fast-variants", action="store_true",
                  help="also time our update with model.matmul_dtype=bfloat16 (share_prompts "
                       "on), with and without row_skip")
@@ -616,13 +621,11 @@ def main(argv=None):
     record["updates"] = [bench_update(tx, ours, argparse.Namespace(**{**vars(args), "new_tokens": T}))
                          for T in (args.update_tokens or args.new_tokens[:1])]
     record["update"] = record["updates"][0]
-    record["target_met"].update(
-        update=all(u["speedup_ours_over_theirs"] >= TARGET_SPEEDUP for u in record["updates"]),
-        update_share_prompts=all(u["speedup_ours_shared_over_theirs"] >= TARGET_SPEEDUP
-                                 for u in record["updates"]))
-    for name in ("ours_bf16", "ours_bf16_skip"):
-      if args.fast_variants:
-        record["target_met"][f"update_{name}"] = all(
+    for target, name in (("update", "ours"), ("update_share_prompts", "ours_shared"),
+                         ("update_ours_bf16", "ours_bf16"),
+                         ("update_ours_bf16_skip", "ours_bf16_skip")):
+      if all(f"speedup_{name}_over_theirs" in u for u in record["updates"]):
+        record["target_met"][target] = all(
             u[f"speedup_{name}_over_theirs"] >= TARGET_SPEEDUP for u in record["updates"])
   record["seconds"] = time.perf_counter() - t0
   record["load_average_before"], record["load_average_after"] = load_before, os.getloadavg()
