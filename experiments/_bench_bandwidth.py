@@ -31,6 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from experiments import _bench
+
 SHAPES = {"smollm2": dict(vocab_size=49152, hidden=576, num_layers=30, num_heads=9,
                           num_kv_heads=3, head_dim=64, mlp_dim=1536, tie_embeddings=True),
           "tiny": dict(vocab_size=4096, hidden=256, num_layers=2, num_heads=8, num_kv_heads=4,
@@ -53,16 +55,6 @@ def add_parser(sub) -> None:
   p.add_argument("--repeats", type=int, default=5)
 
 
-def _median_seconds(fn, *args, repeats: int) -> float:
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)
-
-
 def bandwidth(gib: float, repeats: int) -> dict:
   n = int(gib * 2**30) // 4
   x = jnp.arange(n, dtype=jnp.float32) * 1e-9
@@ -73,7 +65,7 @@ def bandwidth(gib: float, repeats: int) -> dict:
             "copy+": (jax.jit(lambda a, b: a + b), (x, y), 3 * nbytes)}
   out = {}
   for name, (fn, args, moved) in passes.items():
-    sec = _median_seconds(fn, *args, repeats=repeats)
+    sec = _bench.timed(fn, *args, repeats=repeats)
     out[name] = {"bytes": moved, "seconds": sec, "gb_per_s": moved / sec / 1e9}
     print(f"bandwidth {name:6}: {out[name]['gb_per_s']:6.1f} GB/s ({moved / 2**30:.1f} GiB "
           f"in {sec * 1e3:.1f} ms)")
