@@ -61,3 +61,30 @@ def test_moe_depth_sweep_quick(tmp_path):
     for side in ("flipped", "kept"):
       value = result[f"abs_log_ratio_mean_{side}"]
       assert value is None or value >= 0
+
+
+def test_depth_endpoints_are_the_registered_slopes_and_intervals():
+  """experiments/_readme_depth.endpoints on a made-up summary with known answers: A1 the
+  slope of the any-layer change on log2(layers) per seed, A2 the slope of the per-layer
+  change on the layer index in the deepest model, A3 log(median flipped / median kept);
+  each a one-sample 95% t-interval over seeds."""
+  import math
+
+  from experiments import _readme_depth as d
+  s = {}
+  for seed, (a1, a2, ratio) in enumerate([(0.01, 0.002, 2.0), (0.03, 0.004, 4.0)]):
+    for L in (2, 4, 8, 16):
+      s[d.key("grpo", 1e-4, L, 16, seed)] = {
+          "changed_any_layer": 0.1 + a1 * math.log2(L),
+          "changed_per_layer": [0.05 + a2 * i for i in range(L)],
+          "abs_log_ratio_median_flipped": ratio * 1e-3, "abs_log_ratio_median_kept": 1e-3}
+  e = d.endpoints(s)
+  assert e["depths"] == [2, 4, 8, 16] and e["deepest"] == 16
+  for name, values in (("A1", [0.01, 0.03]), ("A2", [0.002, 0.004]),
+                       ("A3", [math.log(2.0), math.log(4.0)])):
+    assert e[name]["values"] == pytest.approx(values)
+    mean, sd = sum(values) / 2, abs(values[1] - values[0]) / math.sqrt(2)
+    assert e[name]["mean"] == pytest.approx(mean)
+    assert e[name]["half_width"] == pytest.approx(12.706204736 * sd / math.sqrt(2), rel=1e-6)
+  # The default key (2 layers, 4 minibatches, seed 0) carries no suffix, as moe_routing writes.
+  assert d.key("gspo", 1e-4, 2, 4, 0) == "gspo_lr0.0001"
