@@ -89,7 +89,7 @@ def moe_depth_endpoints() -> str:
   e = endpoints(load("moe_depth"))
   names = {"A1": "any-layer change per doubling of depth (slope on log2 layers)",
            "A2": f"per-layer change per layer, {e['deepest']} layers (slope on the index)",
-           "A3": f"log(median |log-ratio| flipped / kept), {e['deepest']} layers"}
+           "A3": f"log(median abs log-ratio, flipped / kept), {e['deepest']} layers"}
   rows = []
   for k in ("A1", "A2", "A3"):
     p = e[k]
