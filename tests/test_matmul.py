@@ -135,5 +135,10 @@ def test_remat_recomputes_the_same_bf16_gradients(remat):
     graphdef, params = nnx.split(m)
     loss = lambda p: response_logprobs(nnx.merge(graphdef, p), prompts, lens, resp)[0].sum()
     return jax.tree.leaves(jax.jit(jax.grad(loss))(params))
-  for a, b in zip(grads(plain), grads(recomputed)):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  # A recomputed forward may sum in another order; an input that then rounds to the
+  # neighbouring bfloat16 moves its products by up to 2^-8 relative. The gradients must
+  # agree far inside that (a wrong recomputation is off by O(1)).
+  a, b = grads(plain), grads(recomputed)
+  num = sum(float(jnp.sum((x - y) ** 2)) for x, y in zip(a, b)) ** 0.5
+  den = sum(float(jnp.sum(x ** 2)) for x in a) ** 0.5
+  assert num / den < 1e-3, num / den
