@@ -34,8 +34,11 @@ What is compared, and why it is the same work on both sides:
   rewards inside the update, `group_advantages`; tunix is handed the same values), the same
   optax optimizer (ours: `optim.make_optimizer`, AdamW lr 1e-4 with global-norm clip 1.0,
   handed to both), float32. Ours: `gspo_jax.step.update` under `jax.jit` with the state
-  donated (as in
-  `benchmark.py train`), loss "gspo". Theirs: the jitted step tunix's RL trainer runs: a
+  donated (as in `benchmark.py train`), loss "gspo"; every timed call starts from the same
+  state (a copy of the initial one, made before the clock starts), so every call updates
+  the same pi_theta against the same pi_old: repeated updates from the state each call
+  leaves would drift pi_theta away from pi_old, clip ever more rows, and let the row skip
+  skip more in later calls than the first step's dead share says. Theirs: the jitted step tunix's RL trainer runs: a
   `tunix.rl.trainer.Trainer` (a `PeftTrainer`) with the loss function and model-input
   function set exactly as `GRPOLearner.__init__` sets them (`algo_core.grpo_loss_fn` with
   `GRPOConfig(loss_algo="gspo-token", beta=0)`), and the step from
@@ -203,10 +206,12 @@ def first_call(fn) -> tuple[float, object]:
 def interleaved(fns: dict, repeats: int) -> dict[str, list[float]]:
   """Wall seconds of each callable, called in turn (A, B, A, B, ...) `repeats` times each.
 
-  Each callable returns only when its work is done (on the host or blocked on)."""
+  Each callable returns only when its work is done (on the host or blocked on). A callable
+  with a `reset` method has it called before its clock starts."""
   times = {name: [] for name in fns}
   for _ in range(repeats):
     for name, fn in fns.items():
+      getattr(fn, "reset", lambda: None)()
       t0 = time.perf_counter()
       fn()
       times[name].append(time.perf_counter() - t0)
@@ -324,8 +329,9 @@ def with_matmul_dtype(model, matmul_dtype: str):
 def update_batch(ours, args) -> tuple[step.Batch, jax.Array]:
   """(batch, rewards_BxG): B prompts x G responses of P + T random tokens (no 0: tunix
   treats id 0 as padding), every response token counted, rewards N(0, 1) (the update turns
-  them into group-normalised advantages) and pi_old = the current policy's log-probs plus
-  N(0, 0.01) noise (so that some sequences are clipped, as in a later minibatch)."""
+  them into group-normalised advantages; the first `--degenerate` share of the groups
+  all 0: zero advantage) and pi_old = the current policy's log-probs plus N(0, 0.01)
+  noise (so that some sequences are clipped, as in a later minibatch)."""
   B, G, P, T = args.prompts, args.group, args.prompt_len, args.new_tokens
   rng = np.random.default_rng(1)
   prompts = jnp.asarray(rng.integers(1, args.vocab, (B, P)), jnp.int32)
@@ -337,8 +343,9 @@ def update_batch(ours, args) -> tuple[step.Batch, jax.Array]:
   scfg = programs.step_config(cfg)
   logp = jax.jit(lambda p, r: step.policy_logprobs(p, graphdef, r, scfg)[0])(params, rows)
   noise = jnp.asarray(rng.normal(0.0, 0.01, (B, G, T)), jnp.float32)
-  rewards = jnp.asarray(rng.normal(0.0, 1.0, (B, G)), jnp.float32)
-  return rows.replace(old_logp_BxGxT=logp + noise), rewards
+  rewards = rng.normal(0.0, 1.0, (B, G))
+  rewards[:round(args.degenerate * B)] = 0.0
+  return rows.replace(old_logp_BxGxT=logp + noise), jnp.asarray(rewards, jnp.float32)
 
 
 # Our update's variants beside the plain one: (share_prompts, model.matmul_dtype, row skip).
@@ -364,24 +371,32 @@ class OurUpdate:
   model's (`models.matmul`); `row_skip` the backward over live rows only."""
 
   def __init__(self, ours, batch: step.Batch, rewards_BxG, args, share_prompts: bool = False,
-               matmul_dtype: str = "", row_skip: bool = False):
+               matmul_dtype: str = "", row_skip: bool = False, start=None):
     if matmul_dtype:
       ours = with_matmul_dtype(ours, matmul_dtype)
     cfg = our_train_config(ours.cfg, args, share_prompts, row_skip)
     graphdef, params = nnx.split(ours, nnx.Param)
-    params = jax.tree.map(jnp.copy, params)  # the state is donated: keep `ours` intact
     self.tx = optim.make_optimizer(cfg.optim)
     self.graphdef, self.inputs = graphdef, (batch, rewards_BxG)
-    self.state = step.TrainState(params=params, opt_state=self.tx.init(params),
-                                 step=jnp.zeros((), jnp.int32), key=jax.random.key(0))
+    # Never donated: every call starts from a copy of it (`reset`). Variants may share one.
+    self.start = start or step.TrainState(params=params, opt_state=self.tx.init(params),
+                                          step=jnp.zeros((), jnp.int32), key=jax.random.key(0))
+    self.reset()
+    self.saved_frac: list[float] = []  # row_skip_saved_frac of each call
     scfg = programs.step_config(cfg)
     self.step = jax.jit(lambda s, b, r: step.update(s, b, r, graphdef=graphdef, tx=self.tx,
                                                     cfg=scfg),
                         donate_argnums=(0,))
 
+  def reset(self):
+    self.state = jax.block_until_ready(jax.tree.map(jnp.copy, self.start))
+
   def __call__(self) -> dict:
     self.state, metrics = self.step(self.state, *self.inputs)
-    return jax.device_get(metrics)
+    metrics = jax.device_get(metrics)
+    if "row_skip_saved_frac" in metrics:
+      self.saved_frac.append(float(metrics["row_skip_saved_frac"]))
+    return metrics
 
   def model(self):
     return nnx.merge(self.graphdef, self.state.params)
@@ -441,7 +456,10 @@ def bench_update(tx, ours, args) -> dict:
   theirs = their_model_from(tx, ours)
   names = [n for n in VARIANTS if (n in ("ours", "ours_shared_prompts") or args.fast_variants)
            and n not in args.skip_variants]
-  steps = {name: OurUpdate(ours, batch, rewards, args, *VARIANTS[name]) for name in names}
+  steps = {}
+  for name in names:  # one start state for all (the same parameters and optimizer)
+    start = next(iter(steps.values())).start if steps else None
+    steps[name] = OurUpdate(ours, batch, rewards, args, *VARIANTS[name], start=start)
   ref = steps.get("ours") or next(iter(steps.values()))
   their_step = TheirUpdate(tx, theirs, batch, rewards, ref.tx, args)
   firsts = {name: first_call(fn) for name, fn in steps.items()}
@@ -468,6 +486,7 @@ def bench_update(tx, ours, args) -> dict:
     check[f"max_abs_param_diff_{name}_after_step"] = max_abs_diff(steps[name].model(), theirs)
     if "row_skip_dead_frac" in m:
       check[f"row_skip_dead_frac_{name}"] = float(m["row_skip_dead_frac"])
+      check[f"row_skip_saved_frac_{name}"] = float(m["row_skip_saved_frac"])
   times = interleaved({**steps, "theirs": their_step}, args.update_repeats)
   R, S = args.prompts * args.group, args.prompt_len + args.new_tokens
   flops = _bench.update_flops(ours.cfg, R, args.prompt_len, args.new_tokens)
@@ -477,6 +496,8 @@ def bench_update(tx, ours, args) -> dict:
     med = statistics.median(times[name])
     out[name] = {"seconds": med, "all_seconds": times[name], "first_call_seconds": first,
                  "model_gflops_per_s": flops["step"] / med / 1e9}
+    if getattr(steps.get(name), "saved_frac", None):  # the timed calls' (after the first)
+      out[name]["row_skip_saved_frac"] = steps[name].saved_frac[1:]
   for name in set(steps) - {"ours", "ours_shared_prompts"}:
     out[f"speedup_{name}_over_theirs"] = out["theirs"]["seconds"] / out[name]["seconds"]
     out[f"speedup_{name}_paired"] = paired_speedup(times, "theirs", name)
@@ -553,7 +574,8 @@ def print_update(r: dict) -> None:
     print(f"{name:38} {u[name]['seconds']:8.3f} {u[name]['first_call_seconds']:13.2f}  "
           f"{u[f'speedup_{name}_over_theirs']:.2f}x tunix, paired "
           f"{u[f'speedup_{name}_paired']:.2f}x; first step loss {c[f'loss_{name}']:.6f}"
-          + (f", rows dead {dead:.0%}" if dead is not None else ""))
+          + (f", rows dead {dead:.0%}, left out of the backward "
+             f"{max(u[name].get('row_skip_saved_frac', [0])):.0%}" if dead is not None else ""))
   print("model GFLOP/s: " + ", ".join(f"{n} {u[n]['model_gflops_per_s']:.1f}"
                                       for n in list(VARIANTS) + ["theirs"] if n in u))
 
@@ -575,6 +597,9 @@ def build_parser() -> argparse.ArgumentParser:
                  help="T, one sampling comparison per value (each alternated ours/theirs)")
   p.add_argument("--sampling-only", action="store_true", help="skip the update comparison")
   p.add_argument("--update-only", action="store_true", help="skip the sampling comparison")
+  p.add_argument("--degenerate", type=float, default=0.0,
+                 help="share of the update's groups whose rewards are all equal (zero "
+                      "advantage: their rows have no gradient), as in a real run's batches")
   p.add_argument("--update-tokens", type=int, nargs="+", default=None,
                  help="T of each update comparison (default: the first --new-tokens)")
   p.add_argument("--skip-variants", nargs="+", default=[], choices=list(VARIANTS),
@@ -598,7 +623,10 @@ def versions() -> dict:
 
 def main(argv=None):
   argv = sys.argv[1:] if argv is None else list(argv)
-  args = build_parser().parse_args(argv)
+  parser = build_parser()
+  args = parser.parse_args(argv)
+  if not 0.0 <= args.degenerate <= 1.0:
+    parser.error(f"--degenerate must be a share in [0, 1]; got {args.degenerate}")
   tx = import_tunix()
   load_before = os.getloadavg()
   t0 = time.perf_counter()

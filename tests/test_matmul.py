@@ -16,6 +16,7 @@ import pytest
 from flax import nnx
 
 from gspo_jax.models import config, matmul, transformer
+from gspo_jax.models.attention import attend
 from gspo_jax.sampling import SamplerConfig, sample_groups
 from gspo_jax.teacher_forcing import response_logprobs
 
@@ -79,6 +80,48 @@ def test_config_values():
   assert "matmul_dtype" in config.EXECUTION_FIELDS
 
 
+def _decode_inputs(B=2, G=2, P=5, J=6, N=4, C=2, H=8):
+  """One decode step's query against shared, own (cache) and new keys, time-first."""
+  rng = np.random.default_rng(4)
+  f = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)
+  return dict(q=f(B, G, 1, N, H), pk=f(B, P, C, H), pv=f(B, P, C, H), k=f(B, G, J, C, H),
+              v=f(B, G, J, C, H), nk=f(B, G, 1, C, H), nv=f(B, G, 1, C, H),
+              pmask=jnp.asarray(np.array([[1, 1, 1, 0, 0], [1] * 5], bool)[:, None, None]),
+              kmask=jnp.asarray(np.arange(J) < 4)[None, None, None])
+
+
+def _attend_both_layouts(x, dtype):
+  """The step through the cache's heads-first layouts and through the time-first ones."""
+  segs = lambda pk, pv, k, v: dict(shared=(pk, pv, x["pmask"]), own=(k, v, x["kmask"]),
+                                   new=(x["nk"], x["nv"], True), matmul_dtype=dtype)
+  heads_first = attend(x["q"], heads_first=True, **segs(
+      jnp.swapaxes(x["pk"], 1, 2), jnp.swapaxes(x["pv"], 1, 2),      # (B, C, P, H)
+      jnp.moveaxis(x["k"], 2, -1), jnp.swapaxes(x["v"], 2, 3)))      # (B, G, C, H|J, J|H)
+  return heads_first, attend(x["q"], **segs(x["pk"], x["pv"], x["k"], x["v"]))
+
+
+def test_attention_products_take_bf16_inputs_on_every_path():
+  # A decode step reads the cache's layouts, teacher forcing the time-first ones: under
+  # the option both round q, k, the probabilities and v to bfloat16 (products exact in
+  # float32), so they agree to float32 summation order, and differ from float32.
+  x = _decode_inputs()
+  both = jax.jit(_attend_both_layouts, static_argnums=1)
+  reduce_bf, einsum_bf = both(x, BF16)
+  reduce_32, einsum_32 = both(x, None)
+  np.testing.assert_allclose(reduce_bf, einsum_bf, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(reduce_32, einsum_32, rtol=1e-5, atol=1e-5)
+  assert float(jnp.max(jnp.abs(einsum_bf - einsum_32))) > 1e-4
+  # Every dot of the attention, forward and backward, takes bfloat16 operands.
+  loss = lambda q, k: jnp.sum(attend(q, own=(k, x["v"], x["kmask"]), matmul_dtype=BF16))
+  jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x["q"], x["k"])
+  dots = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
+  dots += [e for eq in jaxpr.jaxpr.eqns for sub in jax.core.jaxprs_in_params(eq.params)
+           for e in sub.eqns if e.primitive.name == "dot_general"]
+  assert len(dots) >= 6, jaxpr  # two products, each with two backward matmuls
+  for e in dots:
+    assert [v.aval.dtype for v in e.invars] == [BF16, BF16], e
+
+
 def twin(model, **overrides):
   """`model`'s parameters under a config with `overrides` (execution fields only)."""
   cfg = dataclasses.replace(model.cfg, **overrides)
@@ -86,13 +129,16 @@ def twin(model, **overrides):
   return nnx.merge(nnx.graphdef(abstract), nnx.state(model))
 
 
-def test_model_sampler_equals_teacher_forcing_and_gap_to_float32_is_small():
+@pytest.mark.parametrize("rows,group,new", [(3, 2, 6), (8, 4, 4)])
+def test_model_sampler_equals_teacher_forcing_and_gap_to_float32_is_small(rows, group, new):
+  # (8, 4, 4): the shape at which decode's attention by multiply-and-reduce over rounded
+  # inputs once gave log-probs 2e-2 away from teacher forcing's.
   f32 = transformer.create(config.tiny(), seed=3)
   bf = twin(f32, matmul_dtype="bfloat16")
   rng = np.random.default_rng(0)
-  prompts = jnp.asarray(rng.integers(2, 64, (3, 6)).astype(np.int32))
-  lens = jnp.asarray(np.array([6, 2, 4], np.int32))
-  cfg = SamplerConfig(group_size=2, max_new_tokens=6, eos_id=1, max_prompt_len=8)
+  prompts = jnp.asarray(rng.integers(2, 64, (rows, 8)).astype(np.int32))
+  lens = jnp.asarray(np.arange(rows, dtype=np.int32) % 7 + 1)
+  cfg = SamplerConfig(group_size=group, max_new_tokens=new, eos_id=1, max_prompt_len=8)
   r = sample_groups(bf, prompts, lens, jax.random.key(0), cfg)
   teacher = nnx.jit(response_logprobs)
   lp_bf, _ = teacher(bf, prompts, lens, r.tokens_BxGxT)

@@ -155,9 +155,12 @@ def test_bf16_matmul_inputs_sharded_equal_single_device(run_dir):
   sharded run differs from one device by float32 summation order only, and by what that
   order does to a bfloat16 rounding downstream (an input moved to its neighbouring bfloat16
   value moves a product by up to 2^-8 relative): tolerances of 1e-3, far inside a wrong
-  sharding's O(1)."""
-  bf16 = lambda mesh: dataclasses.replace(small_cfg(mesh), model=dataclasses.replace(
-      small_cfg(mesh).model, matmul_dtype="bfloat16"))
+  sharding's O(1). One minibatch, so that every metric is taken at theta_old: after an
+  Adam step, entries whose gradient sits at that noise may move either way by lr
+  (tests/adam_bounds.py), and a second minibatch's metrics would differ by more."""
+  bf16 = lambda mesh: dataclasses.replace(small_cfg(mesh), num_minibatches=1,
+                                          model=dataclasses.replace(small_cfg(mesh).model,
+                                                                    matmul_dtype="bfloat16"))
   ref_run = R.setup(bf16(sharding.MeshConfig(num_devices=1)), run_dir)
   run = R.setup(bf16(MESHES["2x2x2"]), run_dir)
   ref_rollout, _, _, ref_metrics, _ = one_step(ref_run)

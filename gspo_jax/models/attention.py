@@ -64,10 +64,14 @@ class Attention(nnx.Module):
                          self.o[...].astype(self.dtype), self.matmul)
 
 
-def _scores(q_BxGxSxCxQxH: Array, k: Array, spec: str, reduce: bool) -> Array:
+def _scores(q_BxGxSxCxQxH: Array, k: Array, spec: str, reduce: bool, matmul_dtype) -> Array:
   """float32 q.k over head_dim -> (B, G, C, Q, S, J), for keys laid out as `spec`.
 
-  reduce: one query per response (S = 1) against own keys stored (B, G, C, H, J)."""
+  reduce: one query per response (S = 1) against own keys stored (B, G, C, H, J).
+  matmul_dtype: q and k rounded to it, products accumulated in float32 (`models.matmul`)."""
+  if matmul_dtype is not None:
+    return matmul.einsum(f"bgscrh,{spec}->bgcrsk", q_BxGxSxCxQxH, k, matmul_dtype,
+                         canonical=True)
   if not reduce:
     return jnp.einsum(f"bgscrh,{spec}->bgcrsk", q_BxGxSxCxQxH, k,
                       preferred_element_type=jnp.float32)
@@ -75,9 +79,12 @@ def _scores(q_BxGxSxCxQxH: Array, k: Array, spec: str, reduce: bool) -> Array:
   return jnp.sum(q * k[:, :, :, None].astype(jnp.float32), -2)[:, :, :, :, None]
 
 
-def _values(p_BxGxCxQxSxJ: Array, v: Array, spec: str, reduce: bool) -> Array:
-  """Sum of p-weighted values over the keys -> (B, G, S, C, Q, H) (`reduce` as in _scores,
-  values stored (B, G, C, J, H))."""
+def _values(p_BxGxCxQxSxJ: Array, v: Array, spec: str, reduce: bool, matmul_dtype) -> Array:
+  """Sum of p-weighted values over the keys -> (B, G, S, C, Q, H) (`reduce` and
+  `matmul_dtype` as in _scores, values stored (B, G, C, J, H))."""
+  if matmul_dtype is not None:
+    o = matmul.einsum(f"bgcrsk,{spec}->bgscrh", p_BxGxCxQxSxJ, v, matmul_dtype, canonical=True)
+    return o.astype(p_BxGxCxQxSxJ.dtype)
   if not reduce:
     return jnp.einsum(f"bgcrsk,{spec}->bgscrh", p_BxGxCxQxSxJ, v)
   p = p_BxGxCxQxSxJ[:, :, :, :, 0, :, None].astype(jnp.float32)         # (B, G, C, Q, J, 1)
@@ -87,7 +94,7 @@ def _values(p_BxGxCxQxSxJ: Array, v: Array, spec: str, reduce: bool) -> Array:
 
 def attend(q_BxGxSxNxH: Array, *, shared: Segment | None = None,
            own: Segment | None = None, new: Segment | None = None,
-           heads_first: bool = False, query_chunk: int = 0) -> Array:
+           heads_first: bool = False, query_chunk: int = 0, matmul_dtype=None) -> Array:
   """softmax(q k^T / sqrt(H) + mask) v over the shared, own and new key segments.
 
   Args:
@@ -105,12 +112,18 @@ def attend(q_BxGxSxNxH: Array, *, shared: Segment | None = None,
       minor reduce over H across contiguous key slots (`benchmark.py decode` measures it).
     query_chunk: n > 0 runs the queries n positions at a time (`attend_chunked`) when
       S > n; 0 = all at once.
+    matmul_dtype: the model's `ModelConfig.matmul` (None: the operands' dtype). When set,
+      both products (q k^T, and the probabilities times v) take inputs rounded to it and
+      accumulate in float32 (`models.matmul.einsum`), on every path, decode included:
+      multiply-and-reduce over rounded inputs gave the sampler log-probs up to 2e-2 away
+      from teacher forcing's (cause not traced), the einsum equal ones. Scores, masking
+      and the softmax stay float32.
   Returns:
     o_BxGxSxNxH in the query dtype.
   """
   if 0 < query_chunk < q_BxGxSxNxH.shape[2]:
     return attend_chunked(q_BxGxSxNxH, query_chunk, shared=shared, own=own, new=new,
-                          heads_first=heads_first)
+                          heads_first=heads_first, matmul_dtype=matmul_dtype)
   B, G, S, N, H = q_BxGxSxNxH.shape
   C = (shared or own)[0].shape[-3 if heads_first else -2]
   q = q_BxGxSxNxH.reshape(B, G, S, C, N // C, H) * (H ** -0.5)
@@ -124,7 +137,7 @@ def attend(q_BxGxSxNxH: Array, *, shared: Segment | None = None,
       continue
     (k, v, mask), (k_spec, v_spec) = seg, specs[name]
     reduce = heads_first and S == 1 and name == "own"
-    s = _scores(q, k, k_spec, reduce)
+    s = _scores(q, k, k_spec, reduce, matmul_dtype)
     m = jnp.broadcast_to(mask, (B, G, S, s.shape[-1]))[:, :, None, None]
     scores.append(jnp.where(m, s, neg))
     values.append((v, v_spec, reduce))
@@ -132,14 +145,14 @@ def attend(q_BxGxSxNxH: Array, *, shared: Segment | None = None,
   out, start = 0, 0
   for s, (v, spec, reduce) in zip(scores, values):
     J = s.shape[-1]
-    out = out + _values(p[..., start:start + J], v, spec, reduce)
+    out = out + _values(p[..., start:start + J], v, spec, reduce, matmul_dtype)
     start += J
   return out.reshape(B, G, S, N, H)
 
 
 def attend_chunked(q_BxGxSxNxH: Array, n: int, *, shared: Segment | None = None,
                    own: Segment | None = None, new: Segment | None = None,
-                   heads_first: bool = False) -> Array:
+                   heads_first: bool = False, matmul_dtype=None) -> Array:
   """`attend` over the queries n positions at a time: the same function, less memory.
 
   Row s of the output is o_s = sum_k softmax_k(q_s . k_k / sqrt(H) + mask_sk) v_k, which
@@ -179,7 +192,7 @@ def attend_chunked(q_BxGxSxNxH: Array, n: int, *, shared: Segment | None = None,
   def chunk(q_BxGxnxNxH, chunk_masks):
     segs = {name: (seg[0], seg[1], chunk_masks[name] if sliced[name] else masks[name])
             for name, seg in segments.items() if seg is not None}
-    return attend(q_BxGxnxNxH, heads_first=heads_first, **segs)
+    return attend(q_BxGxnxNxH, heads_first=heads_first, matmul_dtype=matmul_dtype, **segs)
 
   # prevent_cse=False: inside a scan the recomputation cannot be merged away (jax docs).
   o_ZxBxGxnxNxH = jax.lax.map(

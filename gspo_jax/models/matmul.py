@@ -28,12 +28,15 @@ import jax.numpy as jnp
 Array = jax.Array
 
 
-def einsum(spec: str, x: Array, w: Array, matmul_dtype=None) -> Array:
+def einsum(spec: str, x: Array, w: Array, matmul_dtype=None, canonical: bool = False) -> Array:
   """`jnp.einsum(spec, x, w)` for a two-operand `spec` ("lhs,rhs->out", explicit letters).
 
   matmul_dtype None: unchanged. Otherwise operands in `matmul_dtype`, products accumulated
   and returned in float32, and the same in both matmuls of the backward pass (the gradients
-  come back in x's and w's own dtypes)."""
+  come back in x's and w's own dtypes). canonical: each of the three matmuls runs as one
+  row-major (batch, free, summed) x (batch, summed, free) product, its operands and result
+  materialised in that order (`_dot`): for batched contractions such as attention's, whose
+  transposes XLA would otherwise fold into a dot form XLA:CPU runs only in float32."""
   if matmul_dtype is None:
     return jnp.einsum(spec, x, w)
   # Inside shard_map, an operand may vary over fewer mesh axes than the other (hidden states
@@ -44,7 +47,7 @@ def einsum(spec: str, x: Array, w: Array, matmul_dtype=None) -> Array:
   both = vma(x) | vma(w)
   x, w = (jax.lax.pcast(a, tuple(sorted(both - vma(a))), to="varying") if both - vma(a) else a
           for a in (x, w))
-  return _narrow_einsum(spec, jnp.dtype(matmul_dtype).name, x, w)
+  return _narrow_einsum(spec, jnp.dtype(matmul_dtype).name, canonical, x, w)
 
 
 def _parse(spec: str) -> tuple[str, str, str]:
@@ -57,26 +60,51 @@ def _parse(spec: str) -> tuple[str, str, str]:
   return lhs, rhs, out
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _narrow_einsum(spec: str, dtype: str, x: Array, w: Array) -> Array:
+def _dot(spec: str, a: Array, b: Array, canonical: bool) -> Array:
+  """The contraction `spec` of narrow a and b with float32 products. canonical: as one
+  dot_general of a (batch, a's free, summed) and b (batch, summed, b's free), both and
+  the (batch, a's free, b's free) result behind optimization barriers, then the output's
+  order. Without the barriers XLA folds the transposes into the dot's operand or output
+  layouts; XLA:CPU's fast kernels take a bfloat16 x bfloat16 -> float32 dot only in the
+  row-major form, and its generic dot has none ("Unsupported element type for
+  DotThunk")."""
+  if not canonical:
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+  lhs, rhs, out = _parse(spec)
+  batch = [c for c in out if c in lhs and c in rhs]
+  a_free, b_free = [c for c in out if c not in rhs], [c for c in out if c not in lhs]
+  summed = [c for c in lhs if c not in out]
+  a, b = jax.lax.optimization_barrier(
+      (jnp.transpose(a, [lhs.index(c) for c in batch + a_free + summed]),
+       jnp.transpose(b, [rhs.index(c) for c in batch + summed + b_free])))
+  nb, nf, ns = len(batch), len(a_free), len(summed)
+  y = jax.lax.dot_general(
+      a, b, ((tuple(range(nb + nf, nb + nf + ns)), tuple(range(nb, nb + ns))),
+             (tuple(range(nb)), tuple(range(nb)))), preferred_element_type=jnp.float32)
+  res = batch + a_free + b_free
+  return jnp.transpose(jax.lax.optimization_barrier(y), [res.index(c) for c in out])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _narrow_einsum(spec: str, dtype: str, canonical: bool, x: Array, w: Array) -> Array:
   _parse(spec)
-  return jnp.einsum(spec, x.astype(dtype), w.astype(dtype), preferred_element_type=jnp.float32)
+  return _dot(spec, x.astype(dtype), w.astype(dtype), canonical)
 
 
-def _fwd(spec, dtype, x, w):
+def _fwd(spec, dtype, canonical, x, w):
   xn, wn = x.astype(dtype), w.astype(dtype)
-  y = jnp.einsum(spec, xn, wn, preferred_element_type=jnp.float32)
+  y = _dot(spec, xn, wn, canonical)
   # Residuals in the narrow dtype: half the bytes of float32 ones. The zero-size arrays
   # carry the operands' own dtypes to the backward pass.
   return y, (xn, wn, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
 
 
-def _bwd(spec, dtype, res, dy):
+def _bwd(spec, dtype, canonical, res, dy):
   xn, wn, x_dtype, w_dtype = res
   lhs, rhs, out = _parse(spec)
   dyn = dy.astype(dtype)
-  dx = jnp.einsum(f"{out},{rhs}->{lhs}", dyn, wn, preferred_element_type=jnp.float32)
-  dw = jnp.einsum(f"{lhs},{out}->{rhs}", xn, dyn, preferred_element_type=jnp.float32)
+  dx = _dot(f"{out},{rhs}->{lhs}", dyn, wn, canonical)
+  dw = _dot(f"{lhs},{out}->{rhs}", xn, dyn, canonical)
   # Without the barrier XLA folds a transpose that follows (a tied embedding's gradient,
   # w = table.T) into the dot's output layout, which XLA:CPU's runtime dot does not run
   # for bfloat16 x bfloat16 -> float32 ("Unsupported element type for DotThunk").

@@ -212,7 +212,7 @@ class Transformer(nnx.Module):
       layer = nnx.merge(graphdef, params)
       q, k, v = layer.attn.qkv(layer.attn_norm(x), positions_BxS)
       o = attend(q[:, None], own=(k[:, None], v[:, None], mask_BxGxSxS),
-                 query_chunk=self.cfg.attention_chunk)[:, 0]
+                 query_chunk=self.cfg.attention_chunk, matmul_dtype=self.cfg.matmul)[:, 0]
       x = x + layer.attn.out(o).astype(x.dtype)
       x, idx, aux = layer.feed_forward(x, valid, replay_BxSxK)
       return x, (k, v, idx, aux)
@@ -250,7 +250,8 @@ class Transformer(nnx.Module):
       q, k, v = layer.attn.qkv(layer.attn_norm(x), pos)
       group = lambda a: a.reshape(B, G, T, *a.shape[2:])
       o = attend(group(q), shared=(prefix_k, prefix_v, prefix_mask),
-                 own=(group(k), group(v), own_mask), query_chunk=self.cfg.attention_chunk)
+                 own=(group(k), group(v), own_mask), query_chunk=self.cfg.attention_chunk,
+                 matmul_dtype=self.cfg.matmul)
       x = x + layer.attn.out(o.reshape(B * G, T, *o.shape[3:])).astype(x.dtype)
       x, idx, aux = layer.feed_forward(x, valid, replay_BxSxK)
       return x, (k, v, idx, aux)
@@ -339,7 +340,7 @@ class Transformer(nnx.Module):
         stored = lambda a: group(a).astype(k_buf.dtype)  # rounded as the cache will hold it
         own, new = (k_buf, v_buf, slots < index), (stored(k), stored(v), True)
       o = attend(q.reshape(B, G, 1, *q.shape[2:]), shared=(prefix_k, prefix_v, prefix_mask),
-                 own=own, new=new, heads_first=True)
+                 own=own, new=new, heads_first=True, matmul_dtype=self.cfg.matmul)
       x = x + layer.attn.out(o.reshape(B * G, 1, *o.shape[3:])).astype(x.dtype)
       x, idx, _ = layer.feed_forward(x, None, None)
       return x, ((k_buf, v_buf) if write_first else (group(k), group(v))), idx
