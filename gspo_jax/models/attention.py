@@ -64,31 +64,46 @@ class Attention(nnx.Module):
                          self.o[...].astype(self.dtype), self.matmul)
 
 
+def _f32(x: Array, matmul_dtype) -> Array:
+  """x in float32, rounded to `matmul_dtype`'s precision when given. A product of two
+  bfloat16 values is exact in float32, so multiply-and-reduce over such inputs is the
+  narrow matmul with float32 accumulation, up to summation order. `reduce_precision`, not
+  a cast there and back: XLA drops a float32 -> bfloat16 -> float32 round trip as excess
+  precision (`xla_allow_excess_precision`, on by default), and the sampler's log-probs
+  then moved up to 2e-2 away from teacher forcing's."""
+  x = x.astype(jnp.float32)
+  if matmul_dtype is None:
+    return x
+  info = jnp.finfo(matmul_dtype)
+  return jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+
+
 def _scores(q_BxGxSxCxQxH: Array, k: Array, spec: str, reduce: bool, matmul_dtype) -> Array:
   """float32 q.k over head_dim -> (B, G, C, Q, S, J), for keys laid out as `spec`.
 
   reduce: one query per response (S = 1) against own keys stored (B, G, C, H, J).
   matmul_dtype: q and k rounded to it, products accumulated in float32 (`models.matmul`)."""
-  if matmul_dtype is not None:
-    return matmul.einsum(f"bgscrh,{spec}->bgcrsk", q_BxGxSxCxQxH, k, matmul_dtype,
-                         canonical=True)
   if not reduce:
+    if matmul_dtype is not None:
+      return matmul.einsum(f"bgscrh,{spec}->bgcrsk", q_BxGxSxCxQxH, k, matmul_dtype,
+                           canonical=True)
     return jnp.einsum(f"bgscrh,{spec}->bgcrsk", q_BxGxSxCxQxH, k,
                       preferred_element_type=jnp.float32)
-  q = q_BxGxSxCxQxH[:, :, 0, :, :, :, None].astype(jnp.float32)   # (B, G, C, Q, H, 1)
-  return jnp.sum(q * k[:, :, :, None].astype(jnp.float32), -2)[:, :, :, :, None]
+  q = _f32(q_BxGxSxCxQxH[:, :, 0, :, :, :, None], matmul_dtype)   # (B, G, C, Q, H, 1)
+  return jnp.sum(q * _f32(k[:, :, :, None], matmul_dtype), -2)[:, :, :, :, None]
 
 
 def _values(p_BxGxCxQxSxJ: Array, v: Array, spec: str, reduce: bool, matmul_dtype) -> Array:
   """Sum of p-weighted values over the keys -> (B, G, S, C, Q, H) (`reduce` and
   `matmul_dtype` as in _scores, values stored (B, G, C, J, H))."""
-  if matmul_dtype is not None:
-    o = matmul.einsum(f"bgcrsk,{spec}->bgscrh", p_BxGxCxQxSxJ, v, matmul_dtype, canonical=True)
-    return o.astype(p_BxGxCxQxSxJ.dtype)
   if not reduce:
+    if matmul_dtype is not None:
+      o = matmul.einsum(f"bgcrsk,{spec}->bgscrh", p_BxGxCxQxSxJ, v, matmul_dtype,
+                        canonical=True)
+      return o.astype(p_BxGxCxQxSxJ.dtype)
     return jnp.einsum(f"bgcrsk,{spec}->bgscrh", p_BxGxCxQxSxJ, v)
-  p = p_BxGxCxQxSxJ[:, :, :, :, 0, :, None].astype(jnp.float32)         # (B, G, C, Q, J, 1)
-  o = jnp.sum(p * v[:, :, :, None].astype(jnp.float32), -2)[:, :, None]  # float32 accumulation
+  p = _f32(p_BxGxCxQxSxJ[:, :, :, :, 0, :, None], matmul_dtype)          # (B, G, C, Q, J, 1)
+  o = jnp.sum(p * _f32(v[:, :, :, None], matmul_dtype), -2)[:, :, None]  # float32 accumulation
   return o.astype(p_BxGxCxQxSxJ.dtype)
 
 
@@ -114,10 +129,9 @@ def attend(q_BxGxSxNxH: Array, *, shared: Segment | None = None,
       S > n; 0 = all at once.
     matmul_dtype: the model's `ModelConfig.matmul` (None: the operands' dtype). When set,
       both products (q k^T, and the probabilities times v) take inputs rounded to it and
-      accumulate in float32 (`models.matmul.einsum`), on every path, decode included:
-      multiply-and-reduce over rounded inputs gave the sampler log-probs up to 2e-2 away
-      from teacher forcing's (cause not traced), the einsum equal ones. Scores, masking
-      and the softmax stay float32.
+      accumulate in float32 (`models.matmul.einsum`; a decode step's multiply-and-reduce
+      over inputs rounded to it, `_f32`), so a decode step and teacher forcing compute
+      the same function. Scores, masking and the softmax stay float32.
   Returns:
     o_BxGxSxNxH in the query dtype.
   """

@@ -45,8 +45,9 @@ class ModelConfig:
   moe_dispatch: str = "dense"                 # "dense" reference or "ragged" (jax.lax.ragged_dot)
   dtype: str = "float32"                      # activations
   param_dtype: str = "float32"
-  # Weight matmuls' inputs rounded to this dtype, products accumulated in float32, forward
-  # and backward (`models.matmul`); "" = the activations' dtype. Dense models only.
+  # Every matmul's inputs (weights, and attention's q k^T and probabilities x v) rounded to
+  # this dtype, products accumulated in float32, forward and backward (`models.matmul`);
+  # "" = the activations' dtype. Dense models only.
   matmul_dtype: str = ""
   # Execution only (same function, same parameters up to layout):
   scan_layers: bool = False   # one lax.scan over layers stacked on a leading `layers` axis

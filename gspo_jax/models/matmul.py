@@ -1,7 +1,8 @@
-"""Weight matmuls whose inputs may be rounded to a narrower dtype, accumulated in float32.
+"""Matmuls whose inputs may be rounded to a narrower dtype, accumulated in float32.
 
-`ModelConfig.matmul_dtype = "bfloat16"` with float32 activations: each weight matmul
-(attention projections, MLP, the output projection) casts both operands to bfloat16 and
+`ModelConfig.matmul_dtype = "bfloat16"` with float32 activations: each matmul (attention
+projections, MLP, the output projection, and attention's two products, q k^T and the
+probabilities times v: `attention.attend`) casts both operands to bfloat16 and
 accumulates the products in float32,
 
     y = einsum(spec, bf16(x), bf16(w))  accumulated in float32,
@@ -11,7 +12,7 @@ both of the backward's matmuls in the same precision (a custom VJP: JAX's own tr
 of a float32-accumulating bfloat16 dot multiplies the float32 cotangent by the bfloat16
 operand, which XLA:CPU runs in float32, and rounds the input gradient to bfloat16). Only the
 products' inputs are rounded (8 bits of mantissa); every sum, the residual stream, norms,
-softmax and log-probs stay float32. This is the arithmetic a TPU's MXU does for float32
+the attention scores and softmax, and log-probs stay float32. This is the arithmetic a TPU's MXU does for float32
 matmuls at default precision, and on CPUs with AMX-BF16 / AVX512-BF16 XLA runs it ~3x
 faster than float32 (docs/update_speed.md). On other CPUs it is emulated and slower.
 
@@ -62,9 +63,8 @@ def _parse(spec: str) -> tuple[str, str, str]:
 
 def _dot(spec: str, a: Array, b: Array, canonical: bool) -> Array:
   """The contraction `spec` of narrow a and b with float32 products. canonical: as one
-  dot_general of a (batch, a's free, summed) and b (batch, summed, b's free), both and
-  the (batch, a's free, b's free) result behind optimization barriers, then the output's
-  order. Without the barriers XLA folds the transposes into the dot's operand or output
+  dot_general of a (batch, a's free, summed) and b (batch, summed, b's free), each
+  materialised in that order where it was not, then the output's order (`_ordered`). Without the barriers XLA folds the transposes into the dot's operand or output
   layouts; XLA:CPU's fast kernels take a bfloat16 x bfloat16 -> float32 dot only in the
   row-major form, and its generic dot has none ("Unsupported element type for
   DotThunk")."""
@@ -74,15 +74,25 @@ def _dot(spec: str, a: Array, b: Array, canonical: bool) -> Array:
   batch = [c for c in out if c in lhs and c in rhs]
   a_free, b_free = [c for c in out if c not in rhs], [c for c in out if c not in lhs]
   summed = [c for c in lhs if c not in out]
-  a, b = jax.lax.optimization_barrier(
-      (jnp.transpose(a, [lhs.index(c) for c in batch + a_free + summed]),
-       jnp.transpose(b, [rhs.index(c) for c in batch + summed + b_free])))
+  a = _ordered(a, [lhs.index(c) for c in batch + a_free + summed])
+  b = _ordered(b, [rhs.index(c) for c in batch + summed + b_free])
   nb, nf, ns = len(batch), len(a_free), len(summed)
   y = jax.lax.dot_general(
       a, b, ((tuple(range(nb + nf, nb + nf + ns)), tuple(range(nb, nb + ns))),
              (tuple(range(nb)), tuple(range(nb)))), preferred_element_type=jnp.float32)
   res = batch + a_free + b_free
-  return jnp.transpose(jax.lax.optimization_barrier(y), [res.index(c) for c in out])
+  return _ordered(y, [res.index(c) for c in out], barrier_first=True)
+
+
+def _ordered(x: Array, perm: list[int], barrier_first: bool = False) -> Array:
+  """x transposed by perm, materialised (an optimization barrier after the transpose, or
+  before it for a dot's result). An operand already in order passes untouched: a barrier
+  would make XLA copy it (a decode step's whole KV cache, every layer and step)."""
+  if perm == sorted(perm):
+    return x
+  if barrier_first:
+    return jnp.transpose(jax.lax.optimization_barrier(x), perm)
+  return jax.lax.optimization_barrier(jnp.transpose(x, perm))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
