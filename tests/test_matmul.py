@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 
 from gspo_jax.models import config, matmul, transformer
-from gspo_jax.models.attention import attend
+from gspo_jax.models.attention import attend, rounded
 from gspo_jax.sampling import SamplerConfig, sample_groups
 from gspo_jax.teacher_forcing import response_logprobs
 
@@ -91,12 +91,14 @@ def _decode_inputs(B=2, G=2, P=5, J=6, N=4, C=2, H=8):
 
 
 def _attend_both_layouts(x, dtype):
-  """The step through the cache's heads-first layouts and through the time-first ones."""
+  """The step through the cache's heads-first layouts (its own keys and values rounded as
+  `Transformer.decode` writes them) and through the time-first ones."""
   segs = lambda pk, pv, k, v: dict(shared=(pk, pv, x["pmask"]), own=(k, v, x["kmask"]),
                                    new=(x["nk"], x["nv"], True), matmul_dtype=dtype)
   heads_first = attend(x["q"], heads_first=True, **segs(
       jnp.swapaxes(x["pk"], 1, 2), jnp.swapaxes(x["pv"], 1, 2),      # (B, C, P, H)
-      jnp.moveaxis(x["k"], 2, -1), jnp.swapaxes(x["v"], 2, 3)))      # (B, G, C, H|J, J|H)
+      rounded(jnp.moveaxis(x["k"], 2, -1), dtype),                   # (B, G, C, H, J)
+      rounded(jnp.swapaxes(x["v"], 2, 3), dtype)))                   # (B, G, C, J, H)
   return heads_first, attend(x["q"], **segs(x["pk"], x["pv"], x["k"], x["v"]))
 
 

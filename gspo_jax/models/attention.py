@@ -64,13 +64,13 @@ class Attention(nnx.Module):
                          self.o[...].astype(self.dtype), self.matmul)
 
 
-def _f32(x: Array, matmul_dtype) -> Array:
-  """x in float32, rounded to `matmul_dtype`'s precision when given. A product of two
-  bfloat16 values is exact in float32, so multiply-and-reduce over such inputs is the
-  narrow matmul with float32 accumulation, up to summation order. `reduce_precision`, not
-  a cast there and back: XLA drops a float32 -> bfloat16 -> float32 round trip as excess
-  precision (`xla_allow_excess_precision`, on by default), and the sampler's log-probs
-  then moved up to 2e-2 away from teacher forcing's."""
+def rounded(x: Array, matmul_dtype) -> Array:
+  """x in float32, rounded to `matmul_dtype`'s precision when given (None: unrounded).
+  A product of two bfloat16 values is exact in float32, so multiply-and-reduce over such
+  inputs is the narrow matmul with float32 accumulation, up to summation order.
+  `reduce_precision`, not a cast there and back: XLA drops a float32 -> bfloat16 ->
+  float32 round trip as excess precision (`xla_allow_excess_precision`, on by default),
+  and the sampler's log-probs then moved up to 2e-2 away from teacher forcing's."""
   x = x.astype(jnp.float32)
   if matmul_dtype is None:
     return x
@@ -89,8 +89,10 @@ def _scores(q_BxGxSxCxQxH: Array, k: Array, spec: str, reduce: bool, matmul_dtyp
                            canonical=True)
     return jnp.einsum(f"bgscrh,{spec}->bgcrsk", q_BxGxSxCxQxH, k,
                       preferred_element_type=jnp.float32)
-  q = _f32(q_BxGxSxCxQxH[:, :, 0, :, :, :, None], matmul_dtype)   # (B, G, C, Q, H, 1)
-  return jnp.sum(q * _f32(k[:, :, :, None], matmul_dtype), -2)[:, :, :, :, None]
+  # The cache's keys are rounded as they are written (`Transformer.decode`): rounding the
+  # whole cache here, every step, made XLA rewrite it instead of updating it in place.
+  q = rounded(q_BxGxSxCxQxH[:, :, 0, :, :, :, None], matmul_dtype)   # (B, G, C, Q, H, 1)
+  return jnp.sum(q * k[:, :, :, None].astype(jnp.float32), -2)[:, :, :, :, None]
 
 
 def _values(p_BxGxCxQxSxJ: Array, v: Array, spec: str, reduce: bool, matmul_dtype) -> Array:
@@ -102,8 +104,8 @@ def _values(p_BxGxCxQxSxJ: Array, v: Array, spec: str, reduce: bool, matmul_dtyp
                         canonical=True)
       return o.astype(p_BxGxCxQxSxJ.dtype)
     return jnp.einsum(f"bgcrsk,{spec}->bgscrh", p_BxGxCxQxSxJ, v)
-  p = _f32(p_BxGxCxQxSxJ[:, :, :, :, 0, :, None], matmul_dtype)          # (B, G, C, Q, J, 1)
-  o = jnp.sum(p * _f32(v[:, :, :, None], matmul_dtype), -2)[:, :, None]  # float32 accumulation
+  p = rounded(p_BxGxCxQxSxJ[:, :, :, :, 0, :, None], matmul_dtype)       # (B, G, C, Q, J, 1)
+  o = jnp.sum(p * v[:, :, :, None].astype(jnp.float32), -2)[:, :, None]  # float32 accumulation
   return o.astype(p_BxGxCxQxSxJ.dtype)
 
 
@@ -130,8 +132,10 @@ def attend(q_BxGxSxNxH: Array, *, shared: Segment | None = None,
     matmul_dtype: the model's `ModelConfig.matmul` (None: the operands' dtype). When set,
       both products (q k^T, and the probabilities times v) take inputs rounded to it and
       accumulate in float32 (`models.matmul.einsum`; a decode step's multiply-and-reduce
-      over inputs rounded to it, `_f32`), so a decode step and teacher forcing compute
-      the same function. Scores, masking and the softmax stay float32.
+      over inputs rounded to it, `rounded`), so a decode step and teacher forcing compute
+      the same function. Scores, masking and the softmax stay float32. With
+      `heads_first` and S = 1 the own keys and values must hold values already rounded
+      to it (a KV cache written through `rounded`, as `Transformer.decode` writes it).
   Returns:
     o_BxGxSxNxH in the query dtype.
   """

@@ -30,7 +30,7 @@ from flax import nnx
 
 from gspo_jax import sharding
 from gspo_jax.models import matmul
-from gspo_jax.models.attention import Attention, attend
+from gspo_jax.models.attention import Attention, attend, rounded
 from gspo_jax.models.config import ModelConfig
 from gspo_jax.models.layers import MLP, RMSNorm, param
 from gspo_jax.models.moe import MoE
@@ -322,12 +322,15 @@ class Transformer(nnx.Module):
     key_slot, value_slot = lambda a: jnp.moveaxis(a, -3, -1), lambda a: jnp.swapaxes(a, -3, -2)
     at = lambda x, slot_axis: tuple(cache.index if a == x.ndim + slot_axis else 0
                                     for a in range(x.ndim))
+    # Under `matmul_dtype` the cache holds keys and values rounded to it (`attend` reads
+    # them so); each token's are rounded once, as they are written.
+    narrow = lambda x: rounded(x, self.cfg.matmul).astype(x.dtype)
     put = lambda buf, x, slot_axis: jax.lax.dynamic_update_slice(
-        buf, x.astype(buf.dtype), at(buf, slot_axis))
+        buf, narrow(x).astype(buf.dtype), at(buf, slot_axis))
     index = cache.index
     if index.ndim:  # one slot per response: (B, G, 1, 1) against the (B, G, S, K) masks
       index = index[:, :, None, None]
-      put = lambda buf, x, slot_axis: _put_rows(buf, x, cache.index, slot_axis)
+      put = lambda buf, x, slot_axis: _put_rows(buf, narrow(x), cache.index, slot_axis)
 
     def layer_fn(graphdef, params, x, k_buf, v_buf, prefix_k, prefix_v, write_first):
       layer = nnx.merge(graphdef, params)
@@ -337,7 +340,7 @@ class Transformer(nnx.Module):
         k_buf, v_buf = put(k_buf, key_slot(group(k)), -1), put(v_buf, value_slot(group(v)), -2)
         own, new = (k_buf, v_buf, slots <= index), None
       else:  # attend to the slots before `index` and to this token's keys; the caller writes
-        stored = lambda a: group(a).astype(k_buf.dtype)  # rounded as the cache will hold it
+        stored = lambda a: narrow(group(a)).astype(k_buf.dtype)  # as the cache will hold it
         own, new = (k_buf, v_buf, slots < index), (stored(k), stored(v), True)
       o = attend(q.reshape(B, G, 1, *q.shape[2:]), shared=(prefix_k, prefix_v, prefix_mask),
                  own=own, new=new, heads_first=True, matmul_dtype=self.cfg.matmul)
