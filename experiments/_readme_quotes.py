@@ -121,7 +121,32 @@ def multiturn() -> list[str]:
           f"GRPO {m['grpo_episode']}"]
 
 
+def claim1_powered() -> list[str]:
+  """Section 12 and the summary's claim-1 row (experiments/_readme_claim1.py)."""
+  from experiments import _readme_claim1 as c1
+  d = c1.load()
+  cmp = {(c["key"], c["a"], c["b"]): c for c in c1.comparisons(d)}
+  iv = lambda c: (f"{s(c['paired']['mean'])} (95% interval {s(c['paired']['low'])} to "
+                  f"{s(c['paired']['high'])})")
+  chosen = c1.analysis_set(d["coldstart_heldout"])
+  cold = [d["coldstart_heldout"][str(k)] for k in chosen["seeds"]]
+  fish = {(f["a"], f["b"]): f for f in c1.fisher(d)}
+  count = lambda v: "{} of {}".format(*fish[("gspo", "grpo")][f"{v}_count"])
+  prov = d["provenance"]
+  return [f"GSPO − GRPO {iv(cmp[('end', 'gspo', 'grpo')])}",
+          f"GSPO-len − GRPO {iv(cmp[('end', 'gspo_len', 'grpo')])}",
+          f"GSPO-len − GSPO {iv(cmp[('end', 'gspo_len', 'gspo')])}",
+          f"mean gain over the 8 evaluations {_pm(cmp[('gain', 'gspo', 'grpo')]['paired'])}",
+          f"training reward over the last 10 iterations "
+          f"{_pm(cmp[('reward', 'gspo', 'grpo')]['paired'])}",
+          f"paired sd {rnd(cmp[('end', 'gspo', 'grpo')]['paired']['sd'], 3)}",
+          f"cold starts {rnd(min(cold), 3)}–{rnd(max(cold), 3)}",
+          f"GSPO collapsed on {count('a')} seeds, GRPO on {count('b')}",
+          f"load averages {prov['load_1min_range'][0]:.1f}–{prov['load_1min_range'][1]:.1f}",
+          f"{prov['run_seconds_range'][0]:.0f}–{prov['run_seconds_range'][1]:.0f} s per run"]
+
+
 def quotes() -> list[str]:
   """Every phrase the README must contain."""
-  return [q for f in (addition, routing, precision, long, long_moe_bf16, stability, multiturn)
-          for q in f() if q]
+  return [q for f in (addition, routing, precision, long, long_moe_bf16, stability, multiturn,
+                      claim1_powered) for q in f() if q]

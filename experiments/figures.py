@@ -8,6 +8,8 @@ summary holds the numbers for:
                             (the README's paired tables: readme_tables.PAIRED)
   stability_map/stability_map.png   mean gain per cell, k/n seeds collapsed
   routing_replay{,_long}/ratio_extremes.png   smallest and largest ratio of every run
+  claim1_powered/paired.png the registered paired comparisons of preregistered.md part 5
+                            over its analysis set (experiments/_readme_claim1.py)
 
 The curves (reward, held-out, clip fraction against iteration) need the runs' per-iteration
 metrics, so only the experiment scripts' --plot-only draws them.
@@ -18,7 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from experiments import _plots, _results
+from experiments import _plots, _readme_claim1, _results
 from experiments._tables import load
 from experiments.readme_tables import PAIRED
 
@@ -62,6 +64,9 @@ def main(argv=None) -> list[str]:
                                     os.path.join(args.out, "stability_map"), LENGTHS, COLUMNS))
   for name in ("routing_replay", "routing_replay_long"):
     paths.append(_plots.ratio_extremes(ratio_runs(load(name)), os.path.join(args.out, name)))
+  paths.append(_plots.paired(_readme_claim1.figure_comparisons(),
+                             os.path.join(args.out, _readme_claim1.NAME), "paired.png",
+                             title="claim 1 with power (part 5): a − b per seed, 95% t-interval"))
   print("wrote", *paths, sep="\n  ")
   return paths
 

@@ -22,6 +22,8 @@ import numpy as np
 from experiments import _results, _stats
 from experiments._readme_async import (async_staleness, async_staleness_comparisons,
                                        async_timeline)
+from experiments._readme_claim1 import (claim1_powered, claim1_powered_endpoints,
+                                        claim1_powered_secondary)
 from experiments._readme_depth import moe_depth, moe_depth_endpoints
 from experiments._readme_stability import (clip_vs_length, multiturn, multiturn_comparisons,
                                            stability_grid, stability_seeds,
@@ -314,7 +316,8 @@ TABLES = {f.__name__: f for f in (
     gspo_vs_grpo, moe_routing, routing_replay, precision_gap, precision_training,
     gspo_token_equivalence, long, long_losses, long_moe, long_moe_bf16, long_moe_gap, long_bf16,
     long_bf16_gap, stability_grid, stability_seeds, clip_vs_length, multiturn, lora_curve,
-    async_timeline, async_staleness, moe_depth, moe_depth_endpoints)}
+    async_timeline, async_staleness, moe_depth, moe_depth_endpoints, claim1_powered,
+    claim1_powered_endpoints, claim1_powered_secondary)}
 # Paired comparisons: the README's `<name>_paired` table and the figure
 # experiments/results/<dir>/paired.png (experiments/figures.py) come from the same list.
 PAIRED = {  # name -> (results dir, comparisons)
