@@ -318,7 +318,12 @@ def bench_sampling(tx, ours, theirs, args) -> dict:
 
 def with_matmul_dtype(model, matmul_dtype: str):
   """`model`'s parameters under its config with `model.matmul_dtype` set."""
-  mcfg = dataclasses.replace(model.cfg, matmul_dtype=matmul_dtype)
+  return with_model_config(model, matmul_dtype=matmul_dtype)
+
+
+def with_model_config(model, **fields):
+  """`model`'s parameters under its config with execution `fields` replaced."""
+  mcfg = dataclasses.replace(model.cfg, **fields)
   abstract = nnx.eval_shape(lambda: transformer.Transformer(mcfg, rngs=nnx.Rngs(0)))
   return nnx.merge(nnx.graphdef(abstract), nnx.state(model))
 
@@ -348,9 +353,13 @@ def update_batch(ours, args) -> tuple[step.Batch, jax.Array]:
   return rows.replace(old_logp_BxGxT=logp + noise), jnp.asarray(rewards, jnp.float32)
 
 
-# Our update's variants beside the plain one: (share_prompts, model.matmul_dtype, row skip).
-VARIANTS = {"ours": (False, "", False), "ours_shared_prompts": (True, "", False),
-            "ours_bf16": (True, "bfloat16", False), "ours_bf16_skip": (True, "bfloat16", True)}
+# Our update's variants beside the plain one: (share_prompts, model.matmul_dtype, row skip,
+# model.attention_block = --attention-block).
+VARIANTS = {"ours": (False, "", False, False), "ours_shared_prompts": (True, "", False, False),
+            "ours_bf16": (True, "bfloat16", False, False),
+            "ours_bf16_skip": (True, "bfloat16", True, False),
+            "ours_bf16_blocks": (True, "bfloat16", False, True),
+            "ours_bf16_blocks_skip": (True, "bfloat16", True, True)}
 
 
 def our_train_config(model_cfg, args, share_prompts: bool = False,
@@ -368,12 +377,15 @@ def our_train_config(model_cfg, args, share_prompts: bool = False,
 class OurUpdate:
   """Ours: `step.update` jitted with the TrainState donated, one minibatch; with
   `share_prompts` each prompt is computed once for its G responses; `matmul_dtype` the
-  model's (`models.matmul`); `row_skip` the backward over live rows only."""
+  model's (`models.matmul`); `row_skip` the backward over live rows only; `blocks` the
+  responses' causal attention in query blocks of `--attention-block` (`attend_causal`)."""
 
   def __init__(self, ours, batch: step.Batch, rewards_BxG, args, share_prompts: bool = False,
-               matmul_dtype: str = "", row_skip: bool = False, start=None):
-    if matmul_dtype:
-      ours = with_matmul_dtype(ours, matmul_dtype)
+               matmul_dtype: str = "", row_skip: bool = False, blocks: bool = False,
+               start=None):
+    if matmul_dtype or blocks:
+      ours = with_model_config(ours, matmul_dtype=matmul_dtype,
+                               attention_block=args.attention_block if blocks else 0)
     cfg = our_train_config(ours.cfg, args, share_prompts, row_skip)
     graphdef, params = nnx.split(ours, nnx.Param)
     self.tx = optim.make_optimizer(cfg.optim)
@@ -607,7 +619,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "of the state and its compiled programs)")
   p.add_argument("--fast-variants", action="store_true",
                  help="also time our update with model.matmul_dtype=bfloat16 (share_prompts "
-                      "on), with and without row_skip")
+                      "on), with and without row_skip, and with model.attention_block")
+  p.add_argument("--attention-block", type=int, default=128,
+                 help="model.attention_block of the *_blocks variants (query block size)")
   p.add_argument("--sampling-repeats", type=int, default=15)
   p.add_argument("--update-repeats", type=int, default=5)
   p.add_argument("--out", default=None, help="JSON record path (default: peer_tunix.json "
@@ -651,7 +665,9 @@ def main(argv=None):
     record["update"] = record["updates"][0]
     for target, name in (("update", "ours"), ("update_share_prompts", "ours_shared"),
                          ("update_ours_bf16", "ours_bf16"),
-                         ("update_ours_bf16_skip", "ours_bf16_skip")):
+                         ("update_ours_bf16_skip", "ours_bf16_skip"),
+                         ("update_ours_bf16_blocks", "ours_bf16_blocks"),
+                         ("update_ours_bf16_blocks_skip", "ours_bf16_blocks_skip")):
       if all(f"speedup_{name}_over_theirs" in u for u in record["updates"]):
         record["target_met"][target] = all(
             u[f"speedup_{name}_over_theirs"] >= TARGET_SPEEDUP for u in record["updates"])

@@ -1,7 +1,8 @@
 """Query-chunked attention (`ModelConfig.attention_chunk`, `attention.attend_chunked`)
 computes what attention over all queries at once does — values and gradients, with own
 keys only (`Transformer.__call__`) and shared + own keys (`Transformer.extend`) — and the
-compiled update step holds less memory with it.
+compiled update step holds less memory with it. So does attention in causal query blocks
+that skip the masked keys (`ModelConfig.attention_block`, `attention.attend_causal`).
 
 Legend as in gspo_jax/models/attention.py: B rows, G responses, S queries, K keys,
 N query heads, C kv heads, H head_dim."""
@@ -17,7 +18,7 @@ from flax import nnx
 from gspo_jax import configlib, optim, step, teacher_forcing
 from gspo_jax.config import RolloutConfig, TrainConfig
 from gspo_jax.models import config, transformer
-from gspo_jax.models.attention import attend
+from gspo_jax.models.attention import attend, attend_causal
 from gspo_jax.programs import step_config
 
 B, G, S, N, C, H, P = 2, 3, 7, 4, 2, 8, 5
@@ -148,10 +149,62 @@ def test_update_step_holds_less_memory_with_chunks():
   assert on < 0.6 * off, (on, off)
 
 
+@pytest.mark.parametrize("matmul_dtype", [None, jnp.bfloat16], ids=["f32", "bf16_inputs"])
+def test_causal_blocks_equal_attention_over_all_keys(matmul_dtype):
+  # `attend_causal` drops, per query block, the own keys after its last query: masked for
+  # every query of the block, so the same values and gradients (float32 summation order).
+  x = _inputs()
+
+  def grads(block, chunk):
+    def loss(q, k, v, pk, pv):
+      shared = (pk, pv, x["prefix_mask"])
+      if block:
+        o = attend_causal(q, block, own_kv=(k, v), shared=shared, query_chunk=chunk,
+                          matmul_dtype=matmul_dtype)
+      else:
+        o = attend(q, shared=shared, own=(k, v, x["causal_mask"]), matmul_dtype=matmul_dtype)
+      return jnp.sum(o * x["w"]), o
+    g, o = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))(
+        x["q"], x["k"], x["v"], x["pk"], x["pv"])
+    return (o,) + g
+
+  want = grads(0, 0)
+  # 1: every query its own block; 3 does not divide S = 7; 7 = S is one block; with a
+  # query chunk inside each block too.
+  for block, chunk in ((1, 0), (3, 0), (7, 0), (16, 0), (4, 3)):
+    got = grads(block, chunk)
+    for name, g, w in zip(("o", "dq", "dk", "dv", "dpk", "dpv"), got, want):
+      np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6,
+                                 err_msg=f"{name}, block {block}, chunk {chunk}")
+
+
+def test_model_with_causal_blocks_gives_the_same_logprobs_and_gradients():
+  rng = np.random.default_rng(2)
+  lens = jnp.asarray([6, 3], jnp.int32)
+  prompts = jnp.asarray(rng.integers(2, 64, (2, 6)), jnp.int32)
+  tokens = jnp.asarray(rng.integers(2, 64, (2, 2, 9)), jnp.int32)
+
+  def logp_and_grad(cfg):
+    graphdef, params = nnx.split(transformer.create(cfg, seed=4), nnx.Param)
+
+    def loss(params):
+      logp = teacher_forcing.response_logprobs(nnx.merge(graphdef, params), prompts, lens,
+                                               tokens)[0]
+      return jnp.sum(logp), logp
+    return jax.jit(jax.grad(loss, has_aux=True))(params)
+
+  want_grad, want = logp_and_grad(TINY)
+  got_grad, got = logp_and_grad(dataclasses.replace(TINY, attention_block=4))  # 4 + 4 + 1
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+  for g, w in zip(jax.tree.leaves(got_grad), jax.tree.leaves(want_grad)):
+    np.testing.assert_allclose(g, w, rtol=0, atol=1e-5 * np.abs(w).max())
+
+
+@pytest.mark.parametrize("field", ["attention_chunk", "attention_block"])
 @pytest.mark.parametrize("bad", [-1, 2.5, True, "64"])
-def test_bad_chunk_is_refused_naming_the_field(bad):
-  with pytest.raises(ValueError, match="ModelConfig.attention_chunk must be a non-negative int"):
-    config.tiny(attention_chunk=bad)
+def test_bad_chunk_is_refused_naming_the_field(field, bad):
+  with pytest.raises(ValueError, match=f"ModelConfig.{field} must be a non-negative int"):
+    config.tiny(**{field: bad})
 
 
 def test_chunk_round_trips_through_overrides_and_json(tmp_path):
@@ -166,3 +219,11 @@ def test_chunk_round_trips_through_overrides_and_json(tmp_path):
   assert configlib.from_dict(TrainConfig, old).model.attention_chunk == 0
   with pytest.raises(configlib.ConfigError, match="ModelConfig.attention_chunk"):
     configlib.apply_overrides(TrainConfig(), ["model.attention_chunk=-3"])
+
+
+def test_causal_blocks_without_shared_prompts_are_refused():
+  # The blocks apply to the prompt-shared forward only: set without it they would do
+  # nothing, so the setting is refused by name before any work.
+  with pytest.raises(ValueError, match="model.attention_block applies to prompt-shared"):
+    TrainConfig(model=dataclasses.replace(TINY, attention_block=64), share_prompts=False)
+  TrainConfig(model=dataclasses.replace(TINY, attention_block=64), share_prompts=True)

@@ -218,3 +218,33 @@ def attend_chunked(q_BxGxSxNxH: Array, n: int, *, shared: Segment | None = None,
       (split(q_BxGxSxNxH, 2), {name: m for name, m in masks.items() if sliced[name]}))
   o = jnp.moveaxis(o_ZxBxGxnxNxH, 0, 2).reshape(B, G, Z * n, N, H)
   return o[:, :, :S]
+
+
+def attend_causal(q_BxGxSxNxH: Array, n: int, *, own_kv: tuple[Array, Array],
+                  shared: Segment | None = None, query_chunk: int = 0,
+                  matmul_dtype=None) -> Array:
+  """`attend` with a causal own segment, in query blocks of n that skip the masked keys.
+
+  own_kv = (k_BxGxSxCxH, v_BxGxSxCxH) time-first, one key per query position: query s
+  attends to own keys 0..s (the mask `attend` would get is tril(S x S)), and to every key of
+  `shared` its mask allows. Block z (queries zn .. zn + n - 1) reads own keys 0 .. zn + n - 1
+  only: the keys it skips are masked for every query of the block, and a masked key adds
+  exactly 0 to the softmax's sum and to the output (exp(min_float32 - max) underflows to 0),
+  so this is `attend`'s function up to float32 summation order, at
+  (Z + 1) / (2Z) of the own segment's score and value FLOPs, Z = ceil(S / n) blocks. The
+  blocks are unrolled (each has its own static key length); `query_chunk` still splits
+  each block's queries as in `attend`.
+  """
+  S = q_BxGxSxNxH.shape[2]
+  k, v = own_kv
+  outs = []
+  for start in range(0, S, n):
+    end = min(start + n, S)
+    causal = (jnp.arange(end)[None, :] <= jnp.arange(start, end)[:, None])[None, None]
+    seg = shared
+    if shared is not None and jnp.ndim(shared[2]) == 4 and shared[2].shape[2] == S:
+      seg = (shared[0], shared[1], shared[2][:, :, start:end])  # a mask with an S axis
+    outs.append(attend(q_BxGxSxNxH[:, :, start:end], shared=seg,
+                       own=(k[:, :, :end], v[:, :, :end], causal),
+                       query_chunk=query_chunk, matmul_dtype=matmul_dtype))
+  return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=2)

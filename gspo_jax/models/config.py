@@ -10,7 +10,8 @@ DISPATCHES = ("dense", "ragged")
 REMATS = ("none", "full", "dots")
 # How the model runs, not what it computes: a pretrained run takes these from the user's
 # `model` and everything else from the checkpoint (`run.setup`).
-EXECUTION_FIELDS = ("remat", "attention_chunk", "moe_dispatch", "matmul_dtype")
+EXECUTION_FIELDS = ("remat", "attention_chunk", "attention_block", "moe_dispatch",
+                    "matmul_dtype")
 MATMUL_DTYPES = ("", "bfloat16")
 
 
@@ -55,6 +56,11 @@ class ModelConfig:
   # Teacher-forcing attention over n query positions at a time, each chunk recomputed in the
   # backward: (n x K) scores live instead of (S x K). 0 = all queries at once.
   attention_chunk: int = 0
+  # Prompt-shared teacher forcing (`Transformer.extend`) over the responses' causal keys in
+  # query blocks of n, each reading only the keys up to its last query: the masked upper
+  # triangle's blocks are not computed ((Z + 1) / 2Z of those FLOPs, Z = ceil(T / n)).
+  # 0 = one block.
+  attention_block: int = 0
 
   def __post_init__(self):
     for name in ("vocab_size", "hidden", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -85,10 +91,11 @@ class ModelConfig:
                          f"got {self.moe_layers}")
     if self.remat not in REMATS:
       raise ValueError(f"ModelConfig.remat must be one of {REMATS}; got {self.remat!r}")
-    if not (isinstance(self.attention_chunk, int) and not isinstance(self.attention_chunk, bool)
-            and self.attention_chunk >= 0):
-      raise ValueError(f"ModelConfig.attention_chunk must be a non-negative int (0 = off); "
-                       f"got {self.attention_chunk!r}")
+    for name in ("attention_chunk", "attention_block"):
+      value = getattr(self, name)
+      if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+        raise ValueError(f"ModelConfig.{name} must be a non-negative int (0 = off); "
+                         f"got {value!r}")
     if self.scan_layers and 0 < self.num_moe_layers < self.num_layers:
       raise ValueError("ModelConfig.scan_layers needs every layer alike: set moe_layers=None "
                        f"(all MoE) or scan_layers=False; got moe_layers={self.moe_layers}")

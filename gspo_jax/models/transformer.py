@@ -30,7 +30,7 @@ from flax import nnx
 
 from gspo_jax import sharding
 from gspo_jax.models import matmul
-from gspo_jax.models.attention import Attention, attend, rounded
+from gspo_jax.models.attention import Attention, attend, attend_causal, rounded
 from gspo_jax.models.config import ModelConfig
 from gspo_jax.models.layers import MLP, RMSNorm, param
 from gspo_jax.models.moe import MoE
@@ -249,9 +249,14 @@ class Transformer(nnx.Module):
       layer = nnx.merge(graphdef, params)
       q, k, v = layer.attn.qkv(layer.attn_norm(x), pos)
       group = lambda a: a.reshape(B, G, T, *a.shape[2:])
-      o = attend(group(q), shared=(prefix_k, prefix_v, prefix_mask),
-                 own=(group(k), group(v), own_mask), query_chunk=self.cfg.attention_chunk,
-                 matmul_dtype=self.cfg.matmul)
+      if self.cfg.attention_block:  # the same function, without the masked key blocks
+        o = attend_causal(group(q), self.cfg.attention_block, own_kv=(group(k), group(v)),
+                          shared=(prefix_k, prefix_v, prefix_mask),
+                          query_chunk=self.cfg.attention_chunk, matmul_dtype=self.cfg.matmul)
+      else:
+        o = attend(group(q), shared=(prefix_k, prefix_v, prefix_mask),
+                   own=(group(k), group(v), own_mask), query_chunk=self.cfg.attention_chunk,
+                   matmul_dtype=self.cfg.matmul)
       x = x + layer.attn.out(o.reshape(B * G, T, *o.shape[3:])).astype(x.dtype)
       x, idx, aux = layer.feed_forward(x, valid, replay_BxSxK)
       return x, (k, v, idx, aux)
