@@ -160,5 +160,47 @@ def log_ratio_hist(token_lr, seq_lr, out: str, name: str = "log_ratio_hist.png",
   return save(fig, None, out, name)
 
 
+def figure1(variants: dict, out: str, name: str = "figure1.png", *, colours=None,
+            smooth: int = 10) -> str:
+  """The paper's Figure 1 view: training reward (top; a running mean over `smooth`
+  iterations) and held-out accuracy (bottom, from the cold start) against the responses
+  sampled (left) and the model FLOPs spent (right). `variants`: name -> a summary entry
+  with `reward_curve` (per seed [[iteration, samples, FLOPs, reward], ...]) and
+  `heldout_curve` (per seed [[iteration, accuracy], ...]). One thin line per seed, the
+  mean over seeds bold (seeds share their iterations), n seeds in the legend."""
+  fig, axes = figure(ncols=2, nrows=2, figsize=(11, 7))
+  colours = colours or {}
+  for i, (variant, entry) in enumerate(sorted(variants.items())):
+    colour = colours.get(variant, f"C{i}")
+    curves = [np.asarray(c, float) for c in entry["reward_curve"]]
+    n = len(curves)
+    for col in (0, 1):  # x: responses sampled, model FLOPs
+      xs_seed, rewards, heldouts = [], [], []
+      for c, h in zip(curves, entry["heldout_curve"]):
+        k = min(smooth, max(1, len(c) // 4))
+        r = np.convolve(c[:, 3], np.ones(k) / k, mode="valid")
+        x = c[k - 1:, 1 + col]
+        axes[0, col].plot(x, r, color=colour, alpha=0.3, lw=0.8)
+        # held-out at iteration s: x after s iterations (0 at the cold start)
+        at = dict(zip(c[:, 0].astype(int), c[:, 1 + col]))
+        h = np.asarray(h, float)
+        hx = np.array([at.get(int(s), 0.0) if s else 0.0 for s in h[:, 0]])
+        axes[1, col].plot(hx, h[:, 1], color=colour, alpha=0.3, lw=0.8)
+        xs_seed.append(x), rewards.append(r), heldouts.append((hx, h[:, 1]))
+      label = f"{variant.upper().replace('_', ' ')} (n = {n})" if col == 1 else None
+      if len({len(r) for r in rewards}) == 1:
+        axes[0, col].plot(np.mean(xs_seed, 0), np.mean(rewards, 0), color=colour, lw=2,
+                          label=label)
+      if len({len(h[1]) for h in heldouts}) == 1:
+        axes[1, col].plot(np.mean([h[0] for h in heldouts], 0),
+                          np.mean([h[1] for h in heldouts], 0), color=colour, lw=2, marker="o",
+                          ms=3)
+  for col, xlabel in enumerate(("responses sampled", "model FLOPs")):
+    axes[1, col].set_xlabel(xlabel)
+  axes[0, 0].set_ylabel(f"training reward (mean of {smooth} iterations)")
+  axes[1, 0].set_ylabel("held-out greedy accuracy")
+  return save(fig, axes[0, 1], out, name)
+
+
 def pct(x: float) -> str:
   return f"{100 * x:.1f}%"

@@ -66,6 +66,14 @@ def loss_config(loss: str, seed: int, quick: bool, iterations: int | None,
   return dataclasses.replace(cfg, loss=LossConfig(name=loss), seed=seed)
 
 
+def iteration_samples(cfg: dict) -> int:
+  """Responses sampled (and scored) per iteration, from the run's config.json: the
+  paper's Figure 1 x axis ("training compute" in samples): (prompts_per_iter + oversample)
+  x group_size."""
+  r = cfg["rollout"]
+  return int((r["prompts_per_iter"] + r.get("oversample", 0)) * r["group_size"])
+
+
 def iteration_flops(cfg: dict, row: dict) -> float:
   """Model FLOPs of one iteration, from the run's config.json and its metrics row: 2 per
   active matmul parameter per token forward, 6 forward + backward.
@@ -156,6 +164,7 @@ def load_runs(out: str) -> dict[str, list[dict]]:
     cfg = TrainConfig.migrate(json.load(open(os.path.join(path, "config.json"))))
     for row in rows:
       row["flops"] = iteration_flops(cfg, row)
+      row["samples"] = iteration_samples(cfg)
     runs.setdefault(variant, []).append({"seed": int(seed), "rows": rows, "summary": summary})
   return runs
 
@@ -177,6 +186,7 @@ def summarise(items: list[dict], mean_keys=("clip_frac_token", "clip_frac_seq"))
          "heldout_gain_std": float(np.std(np.subtract(end, start))),
          "reward_last50": last("reward_mean"),
          "heldout_curve": heldout_curves(items),
+         "reward_curve": reward_curves(items),
          "train_seconds": [float(sum(r[TIME] for r in it["rows"])) for it in items]}
   for key in mean_keys:  # None: the metric was not logged (e.g. routing_changed under replay)
     vals = [[r[key] for r in it["rows"] if key in r] for it in items]
@@ -197,9 +207,9 @@ def series(run: dict, key: str, *, smooth: int = 1, x: str = "step"):
   elif key in STARTS and STARTS[key] in run["summary"]:
     steps = np.concatenate([[0], steps]).astype(int)
     ys = np.concatenate([[run["summary"][STARTS[key]]], ys])
-  if x not in ("time", "flops"):
+  if x not in ("time", "flops", "samples"):
     return steps, ys
-  per_iteration = [r[TIME if x == "time" else "flops"] for r in run["rows"]]
+  per_iteration = [r[{"time": TIME}.get(x, x)] for r in run["rows"]]
   return np.cumsum([0.0] + per_iteration)[steps], ys
 
 
@@ -219,8 +229,7 @@ def plot_curves(runs: dict[str, list[dict]], out: str, name: str, key: str, ylab
               label=variant.upper().replace("_", " ") if i == 0 else None)
   if log:
     ax.set_yscale("log")
-  ax.set_xlabel({"time": "training seconds (wall time of the loop's iterations)",
-                 "flops": "model FLOPs (experiments/_runs.py iteration_flops)"}.get(x, "iteration"))
+  ax.set_xlabel(XLABELS.get(x, "iteration"))
   ax.set_ylabel(ylabel)
   return _plots.save(fig, ax, out, name)
 
@@ -245,6 +254,27 @@ def plot_range(runs: dict[str, list[dict]], out: str, name: str, keys: tuple[str
   return _plots.save(fig, ax, out, name)
 
 
+XLABELS = {"time": "training seconds (wall time of the loop's iterations)",
+           "flops": "model FLOPs (experiments/_runs.py iteration_flops)",
+           "samples": "responses sampled (experiments/_runs.py iteration_samples)"}
+
+
+def reward_curves(items: list[dict]) -> list[list[list[float]]]:
+  """Per seed, [[iteration, responses sampled after it, model FLOPs after it, training
+  reward], ...]: the paper's Figure 1 axes, kept in the summary so that
+  `experiments.figures` can redraw them without the runs."""
+  out = []
+  for it in items:
+    samples, flops = 0, 0.0
+    rows = []
+    for r in it["rows"]:
+      samples, flops = samples + r["samples"], flops + r["flops"]
+      rows.append([int(r["step"]), int(samples), float(f"{flops:.4g}"),
+                   round(float(r["reward_mean"]), 5)])
+    out.append(rows)
+  return out
+
+
 def heldout_curves(items: list[dict]) -> list[list[list[float]]]:
   """Per seed, [[step, held-out accuracy], ...] from the cold start (step 0) on: the curve
   the held-out plots draw, kept in the summary so that the text can quote any point of it."""
@@ -258,9 +288,12 @@ def write_summary(out: str, summary: dict) -> None:
 
 
 def standard_plots(runs, out: str, colours: dict[str, str]) -> list[str]:
-  """reward.png (20-iteration running mean), heldout.png, clip_fraction.png (log scale)."""
+  """reward.png (20-iteration running mean), heldout.png, clip_fraction.png (log scale),
+  figure1.png (reward and held-out against responses sampled and FLOPs, `_plots.figure1`)."""
   c = {"colours": colours}
-  return [
+  curves = {v: {"reward_curve": reward_curves(items), "heldout_curve": heldout_curves(items)}
+            for v, items in runs.items()}
+  return [_plots.figure1(curves, out, colours=colours),
       plot_curves(runs, out, "reward.png", "reward_mean", "training reward (mean of 20 iterations)",
                   smooth=20, **c),
       plot_curves(runs, out, "heldout.png", "heldout_accuracy", "held-out greedy accuracy", **c),

@@ -10,6 +10,9 @@ summary holds the numbers for:
   routing_replay{,_long}/ratio_extremes.png   smallest and largest ratio of every run
   claim1_powered/paired.png the registered paired comparisons of preregistered.md part 5
                             over its analysis set (experiments/_readme_claim1.py)
+  <dir>/figure1.png         the paper's Figure 1 view (training reward and held-out against
+                            responses sampled and FLOPs), for every summary that keeps its
+                            runs' reward curves (`reward_curve`, summaries written since)
 
 The curves (reward, held-out, clip fraction against iteration) need the runs' per-iteration
 metrics, so only the experiment scripts' --plot-only draws them.
@@ -18,6 +21,7 @@ metrics, so only the experiment scripts' --plot-only draws them.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
 from experiments import _plots, _readme_claim1, _results
@@ -55,6 +59,16 @@ def ratio_runs(summary: dict) -> dict:
   return {v: {k: s[k] for k in keys} for v, s in summary.items() if "ratio_min_min" in s}
 
 
+def figure1_entries(path: str) -> dict:
+  """variant -> {reward_curve, heldout_curve} of a summary written by `_runs.summarise`
+  ({} when it has no reward curves)."""
+  if not os.path.exists(path):
+    return {}
+  summary = json.load(open(path))
+  return {v: s for v, s in summary.items()
+          if isinstance(s, dict) and "reward_curve" in s and "heldout_curve" in s}
+
+
 def main(argv=None) -> list[str]:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--out", default=_results.RESULTS, help="default: experiments/results/")
@@ -64,6 +78,10 @@ def main(argv=None) -> list[str]:
                                     os.path.join(args.out, "stability_map"), LENGTHS, COLUMNS))
   for name in ("routing_replay", "routing_replay_long"):
     paths.append(_plots.ratio_extremes(ratio_runs(load(name)), os.path.join(args.out, name)))
+  for name in sorted(os.listdir(_results.RESULTS)):
+    entries = figure1_entries(os.path.join(_results.RESULTS, name, "summary.json"))
+    if entries:
+      paths.append(_plots.figure1(entries, os.path.join(args.out, name)))
   paths.append(_plots.paired(_readme_claim1.figure_comparisons(),
                              os.path.join(args.out, _readme_claim1.NAME), "paired.png",
                              title="claim 1 with power (part 5): a − b per seed, 95% t-interval"))

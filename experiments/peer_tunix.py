@@ -356,6 +356,7 @@ def update_batch(ours, args) -> tuple[step.Batch, jax.Array]:
 # Our update's variants beside the plain one: (share_prompts, model.matmul_dtype, row skip,
 # model.attention_block = --attention-block).
 VARIANTS = {"ours": (False, "", False, False), "ours_shared_prompts": (True, "", False, False),
+            "ours_shared_blocks": (True, "", False, True),
             "ours_bf16": (True, "bfloat16", False, False),
             "ours_bf16_skip": (True, "bfloat16", True, False),
             "ours_bf16_blocks": (True, "bfloat16", False, True),

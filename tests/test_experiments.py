@@ -30,9 +30,15 @@ def test_gspo_vs_grpo_long_quick(tmp_path):
   assert set(summary) >= {"gspo", "grpo", "clip_ratio_gspo_over_grpo"} and finite(summary)
   for name in ("summary.json", "reward.png", "heldout.png", "reward_vs_time.png",
                "reward_vs_flops.png", "heldout_vs_flops.png", "clip_fraction.png",
-               "clip_by_length.png"):
+               "clip_by_length.png", "figure1.png"):
     assert (tmp_path / name).stat().st_size > 0, name
   assert summary["gspo"]["iterations"] == summary["grpo"]["iterations"] == 2
+  # The Figure 1 curves: responses sampled grow by B_s x G per iteration.
+  cfg = json.loads((tmp_path / "runs" / "gspo_seed0" / "config.json").read_text())["rollout"]
+  per_iteration = (cfg["prompts_per_iter"] + cfg["oversample"]) * cfg["group_size"]
+  assert [p[:2] for p in summary["gspo"]["reward_curve"][0]] == [[1, per_iteration],
+                                                                  [2, 2 * per_iteration]]
+  assert load("figures").figure1_entries(str(tmp_path / "summary.json")).keys() == {"gspo", "grpo"}
   # Training seconds come from the loop's own per-iteration wall time.
   assert all(s > 0 for loss in ("gspo", "grpo") for s in summary[loss]["train_seconds"])
   # Same seed, same deterministic cold start: both losses start from the same policy.
@@ -201,6 +207,13 @@ def test_plotted_series_by_hand():
   assert xs.tolist() == [20.0, 30.0, 40.0] and ys == pytest.approx([0.2, 0.4, 0.6])
   xs, ys = series({"rows": rows, "summary": {}}, "heldout_accuracy")   # no start recorded
   assert xs.tolist() == [2, 4]
+  for r in rows:
+    r["samples"] = 8
+  xs, _ = series(run, "heldout_accuracy", x="samples")
+  assert xs.tolist() == [0, 16, 32]
+  # The summary's Figure 1 curve: cumulative responses and FLOPs, reward per iteration.
+  assert load("_runs").reward_curves([run]) == [[[1, 8, 10.0, 0.1], [2, 16, 20.0, 0.3],
+                                                 [3, 24, 30.0, 0.5], [4, 32, 40.0, 0.7]]]
 
 
 def test_async_staleness_configs():
