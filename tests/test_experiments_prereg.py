@@ -88,3 +88,60 @@ def test_depth_endpoints_are_the_registered_slopes_and_intervals():
     assert e[name]["half_width"] == pytest.approx(12.706204736 * sd / math.sqrt(2), rel=1e-6)
   # The default key (2 layers, 4 minibatches, seed 0) carries no suffix, as moe_routing writes.
   assert d.key("gspo", 1e-4, 2, 4, 0) == "gspo_lr0.0001"
+
+
+def _fake_run(path, *, end: float, reward: float, start: float = 0.3, late=None,
+              layers: int = 16, iterations: int = 40):
+  """A finished run's committed files: held-out every 5 iterations (`late` for the second
+  half's evaluations, default `end`), constant reward."""
+  path.mkdir(parents=True)
+  rows = []
+  for step in range(1, iterations + 1):
+    row = {"step": step, "reward_mean": reward, "routing_changed": 0.1, "approx_kl": 1e-4,
+           "ratio_min": 0.9, "ratio_max": 1.1, "clip_frac_token": 0.01, "clip_frac_seq": 0.1}
+    if step % 5 == 0:
+      row["heldout_accuracy"] = end if step == iterations else (late if late is not None
+                                                                and step > iterations / 2
+                                                                else end)
+    rows.append(row)
+  (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+  (path / "summary.json").write_text(json.dumps({"heldout_accuracy_start": start,
+                                                 "heldout_accuracy_end": end}))
+  (path / "config.json").write_text(json.dumps({"model": {"num_layers": layers},
+                                                "routing": "free", "loss": {"name": "grpo"}}))
+
+
+def test_stage_b_analysis_by_hand(tmp_path):
+  from experiments import routing_replay_depth as depth
+  # Holm over (0.01, 0.04, 0.03): sorted 0.01*3, 0.03*2, 0.04*1 -> 0.03, 0.06, 0.06 (monotone).
+  assert depth.holm([0.01, 0.04, 0.03]) == pytest.approx([0.03, 0.06, 0.06])
+  ends = {"grpo_free": [0.20, 0.25, 0.30, 0.35], "grpo_replay": [0.30, 0.36, 0.39, 0.47],
+          "gspo_free": [0.40, 0.45, 0.50, 0.55]}
+  for v, vals in ends.items():
+    for s, e in enumerate(vals):
+      # GRPO free collapses on seeds 0 and 1: every late evaluation below the cold start.
+      _fake_run(tmp_path / f"{v}_seed{s}", end=e, reward=e / 2,
+                late=0.1 if (v == "grpo_free" and s < 2) else None)
+  # Not every registered run has finished: no outcome is read.
+  (tmp_path / "gspo_free_seed3" / "summary.json").rename(tmp_path / "held.json")
+  with pytest.raises(SystemExit, match="gspo_free_seed3"):
+    depth.analyse(str(tmp_path))
+  (tmp_path / "held.json").rename(tmp_path / "gspo_free_seed3" / "summary.json")
+  r = depth.analyse(str(tmp_path))
+  # (i) replay - free: diffs 0.10, 0.11, 0.09, 0.12 -> mean 0.105, sd 0.012910,
+  # half-width 3.1824 * 0.012910 / 2 = 0.020542.
+  b1 = r["B1_heldout_end"][0]
+  assert (b1["a"], b1["b"]) == ("grpo_replay", "grpo_free")
+  assert b1["mean"] == pytest.approx(0.105) and b1["half_width"] == pytest.approx(0.020542, abs=1e-6)
+  assert r["B1_replay_needed_reproduced"]
+  # (ii) GSPO free - GRPO free is 0.20 on every seed (up to float rounding): p ~ 0, and
+  # Holm triples the smallest p.
+  b1 = r["B1_heldout_end"][1]
+  assert b1["mean"] == pytest.approx(0.2) and b1["p_holm"] == pytest.approx(3 * b1["p"])
+  assert b1["p"] < 1e-6
+  assert r["B3_reward_mean"][0]["mean"] == pytest.approx(0.0525)
+  # B2: 2 of 4 against 0 of 4, Fisher two-sided p = 0.4286.
+  assert r["B2_collapses"]["collapsed"] == {"grpo_free": 2, "grpo_replay": 0, "gspo_free": 0}
+  assert r["B2_collapses"]["fisher_p"]["gspo_free"] == pytest.approx(0.428571, abs=1e-6)
+  assert r["deviations"] == []
+  assert r["runs"]["gspo_free"]["ratio_min_extreme"] == [0.9] * 4
