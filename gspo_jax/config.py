@@ -318,9 +318,8 @@ class TrainConfig:
       raise ValueError(f"share_prompts=True keeps groups whole, so num_minibatches "
                        f"({self.num_minibatches}) must divide rollout.prompts_per_iter "
                        f"({self.rollout.prompts_per_iter})")
-    if self.model.attention_block and not self.share_prompts:
-      raise ValueError("model.attention_block applies to prompt-shared teacher forcing "
-                       "(Transformer.extend): set share_prompts=True, or attention_block=0")
+    if self.model.attention_block and not self.share_prompts:  # it blocks `extend` only
+      raise ValueError("model.attention_block needs share_prompts=True (or attention_block=0)")
     self.task.check_widths(self.rollout.max_new_tokens, self.rollout.max_prompt_len)
     if not (isinstance(self.prepare_chunks, int) and self.prepare_chunks >= 1
             and self.rollout.sampled_prompts % self.prepare_chunks == 0):

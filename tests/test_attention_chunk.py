@@ -204,6 +204,6 @@ def test_chunk_round_trips_through_overrides_and_json(tmp_path):
 def test_causal_blocks_without_shared_prompts_are_refused():
   # The blocks apply to the prompt-shared forward only: set without it they would do
   # nothing, so the setting is refused by name before any work.
-  with pytest.raises(ValueError, match="model.attention_block applies to prompt-shared"):
+  with pytest.raises(ValueError, match="model.attention_block needs share_prompts=True"):
     TrainConfig(model=dataclasses.replace(TINY, attention_block=64), share_prompts=False)
   TrainConfig(model=dataclasses.replace(TINY, attention_block=64), share_prompts=True)
