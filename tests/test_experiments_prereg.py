@@ -145,3 +145,38 @@ def test_stage_b_analysis_by_hand(tmp_path):
   assert r["B2_collapses"]["fisher_p"]["gspo_free"] == pytest.approx(0.428571, abs=1e-6)
   assert r["deviations"] == []
   assert r["runs"]["gspo_free"]["ratio_min_extreme"] == [0.9] * 4
+
+
+def test_stage_b_tables_render_the_analysis(tmp_path):
+  """experiments/_readme_replay_depth.py renders stage_b.json's numbers: the per-seed
+  table, B1/B3 with Holm's p and the verdict by the interval, B2's counts, and the paired
+  figure's series."""
+  from experiments import _readme_replay_depth as t
+  from experiments import routing_replay_depth as depth
+  # Cold starts at 0.15; GRPO free's seed 0 falls to 0.10 and stays there (a collapse).
+  ends = {"grpo_free": [0.10, 0.25, 0.30, 0.35], "grpo_replay": [0.30, 0.36, 0.39, 0.47],
+          "gspo_free": [0.21, 0.24, 0.33, 0.34]}
+  for v, vals in ends.items():
+    for s, e in enumerate(vals):
+      _fake_run(tmp_path / f"{v}_seed{s}", end=e, reward=e / 2, start=0.15,
+                late=0.1 if (v == "grpo_free" and s == 0) else None)
+  d = json.loads(json.dumps(depth.analyse(str(tmp_path))))  # as stage_b.json holds it
+  seed_table = t.routing_replay_depth(d).splitlines()
+  assert len(seed_table) == 2 + 4
+  assert seed_table[2].startswith("| 0 | 0.150 | 0.100 / 0.300 / 0.210 | 0.050 / 0.150 / 0.105 "
+                                  "| yes / no / no |")
+  rows = t.routing_replay_depth_endpoints(d).splitlines()[2:]
+  assert len(rows) == 3 + 3 + 2
+  # (i): diffs +0.200 +0.110 +0.090 +0.120, mean 0.130, sd 0.0483, half-width 0.0769.
+  assert "| B1 | held-out after 40 | GRPO replay − GRPO free | 4 | +0.200 / +0.110 / +0.090 / " \
+         "+0.120 | +0.130 |" in rows[0]
+  assert "| [+0.053, +0.207] |" in rows[0]
+  assert "(Holm " in rows[0] and "GRPO replay above GRPO free" in rows[0]
+  # (ii) GSPO free - GRPO free: +0.110 / -0.010 / +0.030 / -0.010, interval across zero.
+  assert "no difference resolved" in rows[1] and "(Holm" in rows[1]
+  assert "(Holm" not in rows[3] and rows[3].startswith("| B3 |")
+  assert "| 1 of 4 vs 0 of 4 |" in rows[6] and "| 1 |" in rows[6]  # Fisher p = 1
+  figure = t.figure_comparisons(d)
+  assert [f[0] for f in figure][:1] == ["B1: GRPO replay − GRPO free"] and len(figure) == 6
+  assert figure[0][1] == ends["grpo_replay"]
+  assert t.routing_replay_depth_descriptive(d).count("\n") == 4
