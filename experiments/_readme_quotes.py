@@ -146,7 +146,22 @@ def claim1_powered() -> list[str]:
           f"{prov['run_seconds_range'][0]:.0f}–{prov['run_seconds_range'][1]:.0f} s per run"]
 
 
+def replay_depth() -> list[str]:
+  """Section 13 (experiments/_readme_replay_depth.py, stage_b.json)."""
+  from experiments import _readme_replay_depth as rd
+  r = rd.load()["runs"]
+  lo = lambda v: min(r[v]["ratio_min_extreme"])
+  hi = lambda v: max(r[v]["ratio_max_extreme"])
+  clip = lambda *vs: [x for v in vs for x in r[v]["clip_frac_token_median"]]
+  grpo = clip("grpo_free", "grpo_replay")
+  return [f"from {lo('grpo_free'):.2g} to {hi('grpo_free'):.3g} without replay and from "
+          f"{lo('grpo_replay'):.2g} to {hi('grpo_replay'):.2g} with it",
+          f"within {lo('gspo_free'):.2f}–{hi('gspo_free'):.2f} while it clips "
+          f"{100 * min(clip('gspo_free')):.1f}–{100 * max(clip('gspo_free')):.1f}% of tokens",
+          f"GRPO's {100 * min(grpo):.2f}–{100 * max(grpo):.2f}%"]
+
+
 def quotes() -> list[str]:
   """Every phrase the README must contain."""
   return [q for f in (addition, routing, precision, long, long_moe_bf16, stability, multiturn,
-                      claim1_powered) for q in f() if q]
+                      claim1_powered, replay_depth) for q in f() if q]

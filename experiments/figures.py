@@ -10,6 +10,8 @@ summary holds the numbers for:
   routing_replay{,_long}/ratio_extremes.png   smallest and largest ratio of every run
   claim1_powered/paired.png the registered paired comparisons of preregistered.md part 5
                             over its analysis set (experiments/_readme_claim1.py)
+  routing_replay_depth/paired.png   part 4 stage B's B1 and B3 comparisons
+                            (experiments/_readme_replay_depth.py)
   <dir>/figure1.png         the paper's Figure 1 view (training reward and held-out against
                             responses sampled and FLOPs), for every summary that keeps its
                             runs' reward curves (`reward_curve`, summaries written since)
@@ -24,7 +26,7 @@ import argparse
 import json
 import os
 
-from experiments import _plots, _readme_claim1, _results
+from experiments import _plots, _readme_claim1, _readme_replay_depth, _results
 from experiments._tables import load
 from experiments.readme_tables import PAIRED
 
@@ -85,6 +87,9 @@ def main(argv=None) -> list[str]:
   paths.append(_plots.paired(_readme_claim1.figure_comparisons(),
                              os.path.join(args.out, _readme_claim1.NAME), "paired.png",
                              title="claim 1 with power (part 5): a − b per seed, 95% t-interval"))
+  paths.append(_plots.paired(_readme_replay_depth.figure_comparisons(),
+                             os.path.join(args.out, _readme_replay_depth.NAME), "paired.png",
+                             title="MoE at 16 layers (part 4 stage B): a − b per seed, 95% t-interval"))
   print("wrote", *paths, sep="\n  ")
   return paths
 
