@@ -9,10 +9,12 @@ included (the same for every variant of an experiment)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import shutil
+import sys
 import time
 
 import numpy as np
@@ -116,10 +118,30 @@ def cold_start(out: str, seed: int, cfg: TrainConfig) -> str:
   if not os.path.exists(done):
     if os.path.isdir(run_dir):
       shutil.rmtree(run_dir)
-    train.train(dataclasses.replace(cfg, iterations=0), run_dir, progress=False,
-                checkpoint_every=0, keep=1)
+    # The cold start's progress (and whether it reached its target) is printed, not logged
+    # as metrics: keep a copy beside the run, so that it can be committed with the results.
+    os.makedirs(os.path.dirname(run_dir), exist_ok=True)
+    with open(f"{run_dir}.log", "w") as log, contextlib.redirect_stdout(_Tee(sys.stdout, log)):
+      train.train(dataclasses.replace(cfg, iterations=0), run_dir, progress=False,
+                  checkpoint_every=0, keep=1)
     open(done, "w").close()
   return run_dir
+
+
+class _Tee:
+  """A stdout that writes to every stream it was given."""
+
+  def __init__(self, *streams):
+    self.streams = streams
+
+  def write(self, text: str) -> int:
+    for stream in self.streams:
+      stream.write(text)
+    return len(text)
+
+  def flush(self) -> None:
+    for stream in self.streams:
+      stream.flush()
 
 
 def run_one(out: str, name: str, seed: int, cfg: TrainConfig) -> str:

@@ -42,6 +42,8 @@ def test_gspo_len_and_overrides_reach_the_run(tmp_path):
   gspo_vs_grpo.main(["--task", "long", "--quick", "--losses", "gspo_len", "--eps-tokens", "63",
                      "--seeds", "0", "--iterations", "1", "--out", str(tmp_path),
                      "--set", "task.steps=4", "num_minibatches=2"])
+  # The cold start's printed progress is kept beside its run, for the results to commit.
+  assert "cold start step" in (tmp_path / "runs" / "coldstart_seed0.log").read_text()
   cfg = json.loads((tmp_path / "runs" / "gspo_len_seed0" / "config.json").read_text())
   assert cfg["task"]["steps"] == 4 and cfg["num_minibatches"] == 2
   assert cfg["loss"]["name"] == "gspo"
