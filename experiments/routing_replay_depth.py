@@ -23,6 +23,12 @@ It refuses to analyse until every registered run has finished (no interim looks)
         --variants grpo_free grpo_replay gspo_free --set sft.check_every=5 eval_every=5 \\
         --out experiments/results/routing_replay_depth          # S = 0, 1, 2, 3
     python -m experiments.routing_replay_depth
+
+Stage C (registered after stage B's results): the same at `--layers 8` (or 4), runs under
+experiments/results/routing_replay_depth_L<L>/, over the first 4 seeds whose cold start
+reached its target (`stage_c_seeds`, from each seed's committed coldstart_seed<S>.log):
+
+    python -m experiments.routing_replay_depth --layers 8        # writes stage_c.json
 """
 
 from __future__ import annotations
@@ -90,7 +96,33 @@ def missing(runs_dir: str, seeds=SEEDS) -> list[str]:
           if not os.path.exists(os.path.join(runs_dir, f"{v}_seed{s}", "summary.json"))]
 
 
-def analyse(runs_dir: str, seeds=SEEDS) -> dict:
+def reached(runs_dir: str, seed: int) -> bool | None:
+  """Whether seed's cold start reached its target, from its `coldstart_seed<seed>.log`
+  (`_runs.cold_start`); None when there is no log (not run yet)."""
+  path = os.path.join(runs_dir, f"coldstart_seed{seed}.log")
+  if not os.path.exists(path):
+    return None
+  return "cold start reached the target" in open(path).read()
+
+
+def stage_c_seeds(runs_dir: str, size: int = 4, most: int = 8) -> list[int]:
+  """Stage C's analysis set: the first `size` of seeds 0..most-1 whose cold start reached
+  its target (all of those that did, when seeds up to most-1 are run and fewer reached it).
+  Refuses while the set is not yet known (a seed still to run)."""
+  chosen = []
+  for seed in range(most):
+    got = reached(runs_dir, seed)
+    if got is None:
+      raise SystemExit(f"{runs_dir}: seed {seed}'s cold start has not run; {len(chosen)} of "
+                       f"{size} seeds reached the target so far: run seed {seed} next")
+    if got:
+      chosen.append(seed)
+    if len(chosen) == size:
+      break
+  return chosen
+
+
+def analyse(runs_dir: str, seeds=SEEDS, layers: int = 16) -> dict:
   """B1-B3 and the descriptive figures over `seeds` (every run must have finished)."""
   gone = missing(runs_dir, seeds)
   if gone:
@@ -99,7 +131,7 @@ def analyse(runs_dir: str, seeds=SEEDS) -> dict:
   runs = {v: [read_run(os.path.join(runs_dir, f"{v}_seed{s}")) for s in seeds] for v in VARIANTS}
   deviations = [f"{v} seed {s}: {r['iterations']} iterations, {r['layers']} layers"
                 for v in VARIANTS for s, r in zip(seeds, runs[v])
-                if r["iterations"] != ITERATIONS or r["layers"] != 16]
+                if r["iterations"] != ITERATIONS or r["layers"] != layers]
   for s_i, s in enumerate(seeds):  # a seed's variants share one cold start
     if len({runs[v][s_i]["heldout_start"] for v in VARIANTS}) != 1:
       deviations.append(f"seed {s}: the variants' cold starts differ")
@@ -114,8 +146,8 @@ def analyse(runs_dir: str, seeds=SEEDS) -> dict:
   b2 = {"collapsed": k, "n": n,
         "fisher_p": {v: _stats.fisher_exact(k["grpo_free"], n, k[v], n)
                      for v in ("grpo_replay", "gspo_free")}}
-  return {"registration": "experiments/preregistered.md, part 4, stage B", "seeds": list(seeds),
-          "layers": 16, "B1_heldout_end": b1,
+  return {"registration": f"experiments/preregistered.md, part 4, stage {'B' if layers == 16 else 'C'}",
+          "seeds": list(seeds), "layers": layers, "B1_heldout_end": b1,
           "B1_replay_needed_reproduced": _stats.resolved(b1[0]) and b1[0]["mean"] > 0,
           "B2_collapses": b2, "B3_reward_mean": b3, "deviations": deviations,
           "runs": {v: {key: [r.get(key) for r in runs[v]] for key in runs[v][0]}
@@ -124,11 +156,17 @@ def analyse(runs_dir: str, seeds=SEEDS) -> dict:
 
 def main(argv=None) -> dict:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--runs", default=os.path.join(_results.RESULTS, NAME, "runs"))
-  p.add_argument("--out", default=os.path.join(_results.RESULTS, NAME, "stage_b.json"))
+  p.add_argument("--layers", type=int, default=16,
+                  help="16: stage B (seeds 0-3); 8 or 4: stage C (seeds by its cold-start rule)")
+  p.add_argument("--runs", default=None, help="default: the stage's results folder's runs/")
+  p.add_argument("--out", default=None, help="default: stage_b.json / stage_c.json beside it")
   args = p.parse_args(argv)
-  result = analyse(args.runs)
-  with open(args.out, "w") as f:
+  folder = os.path.join(_results.RESULTS, NAME if args.layers == 16 else f"{NAME}_L{args.layers}")
+  runs = args.runs or os.path.join(folder, "runs")
+  out = args.out or os.path.join(folder, "stage_b.json" if args.layers == 16 else "stage_c.json")
+  seeds = SEEDS if args.layers == 16 else stage_c_seeds(runs)
+  result = analyse(runs, seeds, args.layers)
+  with open(out, "w") as f:
     json.dump(result, f, indent=2)
   print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=2))
   return result

@@ -182,3 +182,18 @@ def test_stage_b_tables_render_the_analysis(tmp_path):
   assert [f[0] for f in figure][:1] == ["B1: GRPO replay − GRPO free"] and len(figure) == 6
   assert figure[0][1] == ends["grpo_replay"]
   assert t.routing_replay_depth_descriptive(d).count("\n") == 4
+
+
+def test_stage_c_seeds_follow_the_cold_start_logs(tmp_path):
+  """Stage C's analysis set: the first 4 seeds whose cold-start log says it reached its
+  target; refused while a seed before the set is complete has not run."""
+  from experiments import routing_replay_depth as depth
+  for seed, ok in enumerate([True, False, True, True]):
+    (tmp_path / f"coldstart_seed{seed}.log").write_text(
+        "cold start step    5/600: loss 1.0, train-probe accuracy 0.1\n" +
+        ("cold start reached the target accuracy 0.3 at step 5\n" if ok else ""))
+  with pytest.raises(SystemExit, match="run seed 4 next"):
+    depth.stage_c_seeds(str(tmp_path))
+  (tmp_path / "coldstart_seed4.log").write_text("cold start reached the target accuracy 0.3\n")
+  assert depth.stage_c_seeds(str(tmp_path)) == [0, 2, 3, 4]
+  assert depth.stage_c_seeds(str(tmp_path), size=4, most=4) == [0, 2, 3]
