@@ -41,6 +41,7 @@ import numpy as np
 
 from experiments import _results, _stats
 from experiments.claim1_powered import collapsed
+from gspo_jax import coldstart
 
 NAME = "routing_replay_depth"
 VARIANTS = ("grpo_free", "grpo_replay", "gspo_free")
@@ -102,7 +103,7 @@ def reached(runs_dir: str, seed: int) -> bool | None:
   path = os.path.join(runs_dir, f"coldstart_seed{seed}.log")
   if not os.path.exists(path):
     return None
-  return "cold start reached the target" in open(path).read()
+  return coldstart.REACHED in open(path).read()
 
 
 def stage_c_seeds(runs_dir: str, size: int = 4, most: int = 8) -> list[int]:

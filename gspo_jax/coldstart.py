@@ -46,6 +46,10 @@ def supervised_batch(run, examples):
   return tuple(sharding.feed(x, mesh, B) for x in (prompts, lens, tokens, mask))
 
 
+# The line that says the target was reached (experiments read it from the run's log).
+REACHED = "cold start reached the target"
+
+
 def cold_start(run, *, probe_accuracy: Callable | None = None, log=print):
   """Up to `cfg.sft.steps` AdamW steps (warmup-cosine schedule) from `run.state.params`,
   stopping early once `probe_accuracy(params, probe)` (the loop passes greedy accuracy,
@@ -71,7 +75,7 @@ def cold_start(run, *, probe_accuracy: Callable | None = None, log=print):
       log(f"cold start step {done:4d}/{cfg.sft.steps}: loss {float(loss):.4f}, "
           f"train-probe accuracy {acc:.3f}")
       if acc >= cfg.sft.target_accuracy:
-        log(f"cold start reached the target accuracy {cfg.sft.target_accuracy} at step {done}")
+        log(f"{REACHED} accuracy {cfg.sft.target_accuracy} at step {done}")
         break
     elif not cfg.sft.target_accuracy and (i % max(cfg.sft.steps // 5, 1) == 0 or
                                           done == cfg.sft.steps):
