@@ -146,10 +146,11 @@ def claim1_powered() -> list[str]:
           f"{prov['run_seconds_range'][0]:.0f}–{prov['run_seconds_range'][1]:.0f} s per run"]
 
 
-def replay_depth() -> list[str]:
-  """Section 13 (experiments/_readme_replay_depth.py, stage_b.json)."""
+def replay_depth(stage: str = "B") -> list[str]:
+  """Section 13 (stage B, stage_b.json) or 14 (stage C, stage_c.json), as
+  experiments/_readme_replay_depth.py reads them."""
   from experiments import _readme_replay_depth as rd
-  r = rd.load()["runs"]
+  r = rd.load(stage=stage)["runs"]
   lo = lambda v: min(r[v]["ratio_min_extreme"])
   hi = lambda v: max(r[v]["ratio_max_extreme"])
   clip = lambda *vs: [x for v in vs for x in r[v]["clip_frac_token_median"]]

@@ -1,6 +1,7 @@
-"""experiments/README.md's tables of the Routing Replay runs on the 16-layer MoE
-(experiments/preregistered.md, part 4, stage B), rendered from
-experiments/results/routing_replay_depth/stage_b.json (`experiments/routing_replay_depth.py`,
+"""experiments/README.md's tables of the Routing Replay runs on the deep MoE
+(experiments/preregistered.md, part 4: stage B at 16 layers, stage C at 4), rendered from
+experiments/results/routing_replay_depth/stage_b.json and
+experiments/results/routing_replay_depth_L4/stage_c.json (`experiments/routing_replay_depth.py`,
 which computes the registered analysis once every run has finished).
 
 As registered:
@@ -24,6 +25,8 @@ from experiments import _results, _stats
 from experiments._tables import f3, frac, seeds, table
 
 NAME, FILE = "routing_replay_depth", "stage_b.json"
+# stage -> (results folder, analysis file); stage C's depth is stage_c_depth.json's L = 4.
+STAGES = {"B": (NAME, FILE), "C": ("routing_replay_depth_L4", "stage_c.json")}
 VARIANTS = ("grpo_free", "grpo_replay", "gspo_free")
 LABELS = {"grpo_free": "GRPO free", "grpo_replay": "GRPO replay", "gspo_free": "GSPO free"}
 # What the paper predicts for each registered comparison (a, b).
@@ -32,8 +35,8 @@ PREDICTS = {("grpo_replay", "grpo_free"): "the paper predicts above 0 (GRPO need
             ("gspo_free", "grpo_replay"): "the paper predicts not below 0"}
 
 
-def load(path: str | None = None) -> dict:
-  with open(path or os.path.join(_results.RESULTS, NAME, FILE)) as f:
+def load(path: str | None = None, stage: str = "B") -> dict:
+  with open(path or os.path.join(_results.RESULTS, *STAGES[stage])) as f:
     return json.load(f)
 
 
@@ -114,3 +117,16 @@ def figure_comparisons(d: dict | None = None) -> list:
       out.append((f"{tag}: {LABELS[c['a']]} − {LABELS[c['b']]}", runs[c["a"]][field],
                   runs[c["b"]][field]))
   return out
+
+
+# Stage C's tables (section 14): the same renderings of stage_c.json.
+def routing_replay_depth_c() -> str:
+  return routing_replay_depth(load(stage="C"))
+
+
+def routing_replay_depth_c_endpoints() -> str:
+  return routing_replay_depth_endpoints(load(stage="C"))
+
+
+def routing_replay_depth_c_descriptive() -> str:
+  return routing_replay_depth_descriptive(load(stage="C"))
