@@ -137,8 +137,9 @@ def twin(model, **overrides):
 @pytest.mark.parametrize("rows,group,new", [(3, 2, 6), (8, 4, 4)])
 def test_model_sampler_equals_teacher_forcing_and_gap_to_float32_is_small(rows, group, new):
   # (8, 4, 4): the shape at which decode's attention by multiply-and-reduce over rounded
-  # inputs once gave log-probs 2e-2 away from teacher forcing's. Tolerance 1e-3: another
-  # CPU's summation order may move a rounded input to its neighbouring bfloat16 value.
+  # inputs once gave log-probs 2e-2 away from teacher forcing's. Tolerance 5e-3: a CPU's
+  # summation order may move a rounded input to its neighbouring bfloat16 value, which
+  # moved a log-prob by 2.2e-3 on a 2-core AMD EPYC (1e-3 held on an Intel Xeon).
   f32 = transformer.create(config.tiny(), seed=3)
   bf = twin(f32, matmul_dtype="bfloat16")
   rng = np.random.default_rng(0)
@@ -150,7 +151,7 @@ def test_model_sampler_equals_teacher_forcing_and_gap_to_float32_is_small(rows, 
   lp_bf, _ = teacher(bf, prompts, lens, r.tokens_BxGxT)
   lp_32, _ = teacher(f32, prompts, lens, r.tokens_BxGxT)
   mask = np.asarray(r.mask_BxGxT)
-  np.testing.assert_allclose(np.asarray(lp_bf) * mask, r.logp_BxGxT, rtol=0, atol=1e-3)
+  np.testing.assert_allclose(np.asarray(lp_bf) * mask, r.logp_BxGxT, rtol=0, atol=5e-3)
   gap = np.abs(np.asarray(lp_bf) - np.asarray(lp_32))[mask > 0]
   assert 0 < gap.max() < 0.05, gap.max()
 

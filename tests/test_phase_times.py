@@ -62,7 +62,9 @@ def test_time_sample_leaves_out_the_previous_updates_tail(setup_run, monkeypatch
   the iteration takes that long, its time_sample does not."""
   m = collected(slowed(setup_run(), SLOW_S, monkeypatch), 2)[2]
   assert m["time_iteration"] > SLOW_S
-  assert m["time_sample"] < SLOW_S / 2
+  # Holding the tail would make it longer than SLOW_S; the sampling itself took up to 1.8 s
+  # with the machine's 2 cores shared by 4 busy processes, so no tighter bound.
+  assert m["time_sample"] < SLOW_S
   np.testing.assert_allclose(m["sample_tokens_per_s"], m["response_tokens"] / m["time_sample"])
   assert "time_update" not in m and "time_prepare" not in m   # only when asked
 
@@ -75,4 +77,4 @@ def test_profiled_phases_are_disjoint_parts_of_the_iteration(setup_run, monkeypa
     phases = [m[k] for k in ("time_sample", "time_prepare", "time_score", "time_update")]
     assert all(p > 0 for p in phases), m
     assert sum(phases) <= m["time_iteration"], (step, phases, m["time_iteration"])
-    assert m["time_update"] > SLOW_S and m["time_sample"] < SLOW_S / 2
+    assert m["time_update"] > SLOW_S and m["time_sample"] < SLOW_S

@@ -66,7 +66,9 @@ def test_scanned_sampler_draws_the_same_tokens():
   got, hlo = compiled_sampler(scanned, (TOKENS, lens), jax.random.key(1),
                               dataclasses.replace(scfg, decode_window=2))
   np.testing.assert_array_equal(got.tokens_BxGxT, want.tokens_BxGxT)
-  np.testing.assert_allclose(got.logp_BxGxT, want.logp_BxGxT, rtol=0, atol=1e-6)
+  # float32 summation order differs between the scanned and unrolled programs: a few ulps of
+  # log-probs near -4 (1.4e-6 on a 2-core AMD EPYC); a wrong cache slot moves them by O(0.1).
+  np.testing.assert_allclose(got.logp_BxGxT, want.logp_BxGxT, rtol=0, atol=1e-5)
   assert loop_copies(hlo, 2, 3, scanned.cfg.num_kv_heads, scanned.cfg.head_dim, (2, 4, 6)) == []
 
 

@@ -154,7 +154,8 @@ def test_bf16_matmul_inputs_sharded_equal_single_device(run_dir):
   """model.matmul_dtype=bfloat16 on a 2x2x2 mesh: the rounding is elementwise, so the
   sharded run differs from one device by float32 summation order only, and by what that
   order does to a bfloat16 rounding downstream (an input moved to its neighbouring bfloat16
-  value moves a product by up to 2^-8 relative): tolerances of 1e-3, far inside a wrong
+  value moves a product by up to 2^-8 relative): log-probs within 5e-3 (such a flip moved
+  one by 1.1e-3 on a 2-core AMD EPYC), the metrics within 1e-3, far inside a wrong
   sharding's O(1). One minibatch, so that every metric is taken at theta_old: after an
   Adam step, entries whose gradient sits at that noise may move either way by lr
   (tests/adam_bounds.py), and a second minibatch's metrics would differ by more."""
@@ -166,6 +167,6 @@ def test_bf16_matmul_inputs_sharded_equal_single_device(run_dir):
   ref_rollout, _, _, ref_metrics, _ = one_step(ref_run)
   rollout, _, _, metrics, _ = one_step(run)
   np.testing.assert_array_equal(host(rollout.tokens_BxGxT), host(ref_rollout.tokens_BxGxT))
-  np.testing.assert_allclose(host(rollout.logp_BxGxT), host(ref_rollout.logp_BxGxT), atol=1e-3)
+  np.testing.assert_allclose(host(rollout.logp_BxGxT), host(ref_rollout.logp_BxGxT), atol=5e-3)
   for k in ("loss", "grad_norm", "kl", "clip_frac_token"):
     assert float(metrics[k]) == pytest.approx(float(ref_metrics[k]), rel=1e-3, abs=1e-5), k
