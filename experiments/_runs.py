@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import json
 import os
 import shutil
@@ -115,16 +116,20 @@ def cold_start(out: str, seed: int, cfg: TrainConfig) -> str:
   per seed, so this equals cold-starting every variant, once instead of once per variant."""
   run_dir = os.path.join(out, "runs", f"coldstart_seed{seed}")
   done = os.path.join(run_dir, "done")
-  if not os.path.exists(done):
-    if os.path.isdir(run_dir):
-      shutil.rmtree(run_dir)
-    # The cold start's progress (and whether it reached its target) is printed, not logged
-    # as metrics: keep a copy beside the run, so that it can be committed with the results.
-    os.makedirs(os.path.dirname(run_dir), exist_ok=True)
-    with open(f"{run_dir}.log", "w") as log, contextlib.redirect_stdout(_Tee(sys.stdout, log)):
-      train.train(dataclasses.replace(cfg, iterations=0), run_dir, progress=False,
-                  checkpoint_every=0, keep=1)
-    open(done, "w").close()
+  os.makedirs(os.path.dirname(run_dir), exist_ok=True)
+  # Processes that share `out` (the README runs an experiment's halves side by side) take
+  # turns: without the lock, the second removed the first's half-written cold start.
+  with open(f"{run_dir}.lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if not os.path.exists(done):
+      if os.path.isdir(run_dir):
+        shutil.rmtree(run_dir)
+      # The cold start's progress (and whether it reached its target) is printed, not
+      # logged as metrics: keep a copy beside the run, to be committed with the results.
+      with open(f"{run_dir}.log", "w") as log, contextlib.redirect_stdout(_Tee(sys.stdout, log)):
+        train.train(dataclasses.replace(cfg, iterations=0), run_dir, progress=False,
+                    checkpoint_every=0, keep=1)
+      open(done, "w").close()
   return run_dir
 
 

@@ -4,6 +4,7 @@ with its clip range scaled to the response length."""
 
 import json
 import math
+import os
 
 import pytest
 
@@ -197,3 +198,34 @@ def test_stage_c_seeds_follow_the_cold_start_logs(tmp_path):
   (tmp_path / "coldstart_seed4.log").write_text("cold start reached the target accuracy 0.3\n")
   assert depth.stage_c_seeds(str(tmp_path)) == [0, 2, 3, 4]
   assert depth.stage_c_seeds(str(tmp_path), size=4, most=4) == [0, 2, 3]
+
+
+def test_processes_sharing_a_cold_start_take_turns(tmp_path, monkeypatch):
+  """Two runners of one experiment directory (the README runs halves side by side) make a
+  seed's cold start once: the second waits for the first instead of removing its
+  half-written checkpoint (which crashed a side-by-side run)."""
+  import threading
+  import time
+  from experiments import _runs
+  calls, errors = [], []
+
+  def fake_train(cfg, run_dir, **kw):
+    calls.append(run_dir)
+    os.makedirs(os.path.join(run_dir, "checkpoints"))
+    time.sleep(0.3)
+
+  def runner():
+    try:
+      _runs.cold_start(str(tmp_path), 0, cfg)
+    except Exception as e:  # a thread's exception would not reach the test
+      errors.append(e)
+
+  monkeypatch.setattr(_runs.train, "train", fake_train)
+  cfg = _runs.base_config("addition", quick=True)
+  threads = [threading.Thread(target=runner) for _ in range(2)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  assert errors == [] and len(calls) == 1
+  assert (tmp_path / "runs" / "coldstart_seed0" / "done").exists()
