@@ -162,7 +162,18 @@ def replay_depth(stage: str = "B") -> list[str]:
           f"GRPO's {100 * min(grpo):.2f}–{100 * max(grpo):.2f}%"]
 
 
+def replay_depth_c() -> list[str]:
+  """Section 14 and the summary's row 3 (stage C, stage_c.json): stage B's phrases and the
+  two B1 comparisons the summary gives."""
+  from experiments import _readme_replay_depth as rd
+  b1 = {(c["a"], c["b"]): c for c in rd.load(stage="C")["B1_heldout_end"]}
+  pair = lambda a, b: (f"{_stats.signed(b1[a, b]['mean'])} (95% interval "
+                       f"{_stats.signed(b1[a, b]['low'])} to {_stats.signed(b1[a, b]['high'])})")
+  return replay_depth("C") + [f"replay − free {pair('grpo_replay', 'grpo_free')}",
+                              f"GSPO free − GRPO free {pair('gspo_free', 'grpo_free')}"]
+
+
 def quotes() -> list[str]:
   """Every phrase the README must contain."""
   return [q for f in (addition, routing, precision, long, long_moe_bf16, stability, multiturn,
-                      claim1_powered, replay_depth) for q in f() if q]
+                      claim1_powered, replay_depth, replay_depth_c) for q in f() if q]

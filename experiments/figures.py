@@ -10,8 +10,8 @@ summary holds the numbers for:
   routing_replay{,_long}/ratio_extremes.png   smallest and largest ratio of every run
   claim1_powered/paired.png the registered paired comparisons of preregistered.md part 5
                             over its analysis set (experiments/_readme_claim1.py)
-  routing_replay_depth/paired.png   part 4 stage B's B1 and B3 comparisons
-                            (experiments/_readme_replay_depth.py)
+  routing_replay_depth{,_L4}/paired.png   part 4 stage B's (16 layers) and stage C's
+                            (4 layers) B1 and B3 comparisons (experiments/_readme_replay_depth.py)
   <dir>/figure1.png         the paper's Figure 1 view (training reward and held-out against
                             responses sampled and FLOPs), for every summary that keeps its
                             runs' reward curves (`reward_curve`, summaries written since)
@@ -87,9 +87,11 @@ def main(argv=None) -> list[str]:
   paths.append(_plots.paired(_readme_claim1.figure_comparisons(),
                              os.path.join(args.out, _readme_claim1.NAME), "paired.png",
                              title="claim 1 with power (part 5): a − b per seed, 95% t-interval"))
-  paths.append(_plots.paired(_readme_replay_depth.figure_comparisons(),
-                             os.path.join(args.out, _readme_replay_depth.NAME), "paired.png",
-                             title="MoE at 16 layers (part 4 stage B): a − b per seed, 95% t-interval"))
+  for stage, (folder, _) in _readme_replay_depth.STAGES.items():
+    d = _readme_replay_depth.load(stage=stage)
+    paths.append(_plots.paired(
+        _readme_replay_depth.figure_comparisons(d), os.path.join(args.out, folder), "paired.png",
+        title=f"MoE at {d['layers']} layers (part 4 stage {stage}): a − b per seed, 95% t-interval"))
   print("wrote", *paths, sep="\n  ")
   return paths
 

@@ -25,7 +25,9 @@ from experiments._readme_async import (async_staleness, async_staleness_comparis
 from experiments._readme_claim1 import (claim1_powered, claim1_powered_endpoints,
                                         claim1_powered_secondary)
 from experiments._readme_depth import moe_depth, moe_depth_endpoints
-from experiments._readme_replay_depth import (routing_replay_depth,
+from experiments._readme_replay_depth import (routing_replay_depth, routing_replay_depth_c,
+                                              routing_replay_depth_c_descriptive,
+                                              routing_replay_depth_c_endpoints,
                                               routing_replay_depth_descriptive,
                                               routing_replay_depth_endpoints)
 from experiments._readme_stability import (clip_vs_length, multiturn, multiturn_comparisons,
@@ -321,7 +323,8 @@ TABLES = {f.__name__: f for f in (
     long_bf16_gap, stability_grid, stability_seeds, clip_vs_length, multiturn, lora_curve,
     async_timeline, async_staleness, moe_depth, moe_depth_endpoints, claim1_powered,
     claim1_powered_endpoints, claim1_powered_secondary, routing_replay_depth,
-    routing_replay_depth_endpoints, routing_replay_depth_descriptive)}
+    routing_replay_depth_endpoints, routing_replay_depth_descriptive, routing_replay_depth_c,
+    routing_replay_depth_c_endpoints, routing_replay_depth_c_descriptive)}
 # Paired comparisons: the README's `<name>_paired` table and the figure
 # experiments/results/<dir>/paired.png (experiments/figures.py) come from the same list.
 PAIRED = {  # name -> (results dir, comparisons)
