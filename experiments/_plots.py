@@ -197,6 +197,8 @@ def figure1(variants: dict, out: str, name: str = "figure1.png", *, colours=None
                           ms=3)
   for col, xlabel in enumerate(("responses sampled", "model FLOPs")):
     axes[1, col].set_xlabel(xlabel)
+  for ax in axes.flat:  # 160000 as 1.6 x 1e5: six-digit tick labels ran into each other
+    ax.ticklabel_format(axis="x", style="sci", scilimits=(0, 3))
   axes[0, 0].set_ylabel(f"training reward (mean of {smooth} iterations)")
   axes[1, 0].set_ylabel("held-out greedy accuracy")
   return save(fig, axes[0, 1], out, name)

@@ -37,6 +37,17 @@ def addition() -> list[str]:
           f"{rnd(clip(r), 4)})"]
 
 
+def addition_rerun() -> list[str]:
+  """Section 1 run again (gspo_vs_grpo_rerun/summary.json)."""
+  d = load("gspo_vs_grpo_rerun")
+  g, r = d["gspo"], d["grpo"]
+  lead = -np.subtract(g["heldout_end"], r["heldout_end"])
+  end = _stats.paired(g["heldout_end"], r["heldout_end"])
+  return [f"higher on every seed too, by {min(lead):.3f}–{max(lead):.3f}",
+          f"GSPO − GRPO {s(end['mean'])}, ±{rnd(end['half_width'], 3)}",
+          f"GSPO clips {d['clip_ratio_gspo_over_grpo']:.0f}× more tokens than GRPO here"]
+
+
 def routing() -> list[str]:
   d = load("moe_routing")
   low = [d[f"{l}_lr0.0001"]["changed_fraction"] for l in ("gspo", "grpo")]
@@ -175,5 +186,5 @@ def replay_depth_c() -> list[str]:
 
 def quotes() -> list[str]:
   """Every phrase the README must contain."""
-  return [q for f in (addition, routing, precision, long, long_moe_bf16, stability, multiturn,
+  return [q for f in (addition, addition_rerun, routing, precision, long, long_moe_bf16, stability, multiturn,
                       claim1_powered, replay_depth, replay_depth_c) for q in f() if q]

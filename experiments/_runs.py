@@ -320,7 +320,8 @@ def standard_plots(runs, out: str, colours: dict[str, str]) -> list[str]:
   c = {"colours": colours}
   curves = {v: {"reward_curve": reward_curves(items), "heldout_curve": heldout_curves(items)}
             for v, items in runs.items()}
-  return [_plots.figure1(curves, out, colours=colours),
+  # figure1.png in figure1's own colours, as `python -m experiments.figures` redraws it
+  return [_plots.figure1(curves, out),
       plot_curves(runs, out, "reward.png", "reward_mean", "training reward (mean of 20 iterations)",
                   smooth=20, **c),
       plot_curves(runs, out, "heldout.png", "heldout_accuracy", "held-out greedy accuracy", **c),
