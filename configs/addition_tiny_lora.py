@@ -8,8 +8,8 @@ which then stays frozen; GSPO trains rank-8 adapters on every attention and MLP 
 import dataclasses
 import os
 
-from gspo_jax.configlib import load_config
-from gspo_jax.lora import LoRAConfig
+from gspo_jax.lora.adapters import LoRAConfig
+from gspo_jax.utils.configlib import load_config
 
 MAIN_JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "addition_tiny.py")
 

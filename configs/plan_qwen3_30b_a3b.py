@@ -16,9 +16,9 @@ planner compiles shapes and loads nothing.
 import dataclasses
 import os
 
-from gspo_jax.configlib import load_config
 from gspo_jax.models.config import qwen3_30b_a3b
-from gspo_jax.sharding import MeshConfig
+from gspo_jax.parallel.sharding import MeshConfig
+from gspo_jax.utils.configlib import load_config
 
 DENSE_PLAN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "plan_qwen3_8b.py")
 

@@ -10,7 +10,7 @@ import dataclasses
 
 from gspo_jax.config import RolloutConfig, SFTConfig, TrainConfig
 from gspo_jax.models.config import qwen3_8b
-from gspo_jax.sharding import MeshConfig
+from gspo_jax.parallel.sharding import MeshConfig
 
 
 def get_config(arg: str | None = None) -> TrainConfig:

@@ -10,8 +10,8 @@ docs/lora.md has its held-out curve beside full fine-tuning (experiments/lora_cu
 import dataclasses
 import os
 
-from gspo_jax.configlib import load_config
-from gspo_jax.lora import LoRAConfig
+from gspo_jax.lora.adapters import LoRAConfig
+from gspo_jax.utils.configlib import load_config
 
 FULL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "smollm2_addition.py")
 

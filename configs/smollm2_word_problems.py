@@ -11,8 +11,14 @@ template (ChatML) with a short system prompt, no cold start.
 
 import dataclasses
 
-from gspo_jax.config import (LossConfig, OptimConfig, RolloutConfig, SFTConfig, TaskConfig,
-                             TrainConfig)
+from gspo_jax.config import (
+  LossConfig,
+  OptimConfig,
+  RolloutConfig,
+  SFTConfig,
+  TaskConfig,
+  TrainConfig,
+)
 from gspo_jax.tasks import DataConfig
 
 REWARD = "experiments/word_problems/reward.py"
@@ -40,7 +46,7 @@ def get_config(arg: str | None = None) -> TrainConfig:
       loss=LossConfig(name="gspo"),
       num_minibatches=2,
       # The sampler's log-probs are pi_old (float32 model: equal to a recompute, see
-      # tests/test_train.py), saving one forward pass over the 64 rows per iteration.
+      # tests/train/test_train.py), saving one forward pass over the 64 rows per iteration.
       old_logp="sampler",
       iterations=10,
       eval_every=0,

@@ -1,6 +1,6 @@
 """What the benchmark scripts share (`benchmark.py` and its `long` and `decode`
 subcommands in `_bench_long.py` and `_bench_decode.py`, `device_check.py`, `peer_tunix.py`):
-the machine's description, a timer, the JSON writer, the decode benchmarks' shape flags, and
+the machine's description, a timer, the measured matmul peak (`bench_peak`), the JSON writer, the decode benchmarks' shape flags, and
 one update step's program and model FLOPs. It imports no script, so the scripts import it
 rather than each other."""
 
@@ -16,6 +16,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+
 
 def machine() -> dict:
   dev = jax.devices()[0]
@@ -88,7 +89,7 @@ def random_batch(mcfg, rows: int, prompt_len: int, new_tokens: int, *, group: in
   """(a `step.Batch` of random rollout rows, rewards_BxG): B = rows / group prompts of G =
   group responses (full-length prompts, every token counted), random rewards (the update
   turns them into group-normalised advantages)."""
-  from gspo_jax import step
+  from gspo_jax.train import step
   rng = np.random.default_rng(seed)
   B, G, P, T = rows // group, group, prompt_len, new_tokens
   batch = step.Batch(
@@ -106,9 +107,9 @@ def update_program(mcfg, rows: int, prompt_len: int, new_tokens: int, group: int
   one minibatch of `rows` rows: rows / group prompts of `group` responses."""
   from flax import nnx
 
-  from gspo_jax import optim, programs, step
   from gspo_jax.config import RolloutConfig, TrainConfig
   from gspo_jax.models import transformer
+  from gspo_jax.train import optim, programs, step
   cfg = TrainConfig(model=mcfg, num_minibatches=1, share_prompts=share_prompts,
                     rollout=RolloutConfig(prompts_per_iter=rows // group, group_size=group,
                                           max_new_tokens=new_tokens, max_prompt_len=prompt_len))
@@ -120,3 +121,25 @@ def update_program(mcfg, rows: int, prompt_len: int, new_tokens: int, group: int
                                      cfg=programs.step_config(cfg)),
                    donate_argnums=(0,))
   return update, state, random_batch(mcfg, rows, prompt_len, new_tokens, group=group)
+
+
+def bench_peak(args) -> dict:
+  """float32 matmuls (the peak the update's MFU is taken against), and beside them bfloat16
+  inputs with a float32 result (`preferred_element_type`: where the CPU has AMX-BF16 or
+  AVX512-BF16 units, XLA:CPU uses them) and bfloat16 in and out."""
+  rows = []
+  bf16_acc32 = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
+  for n in args.sizes:
+    a = jnp.ones((n, n), jnp.float32)
+    b = a.astype(jnp.bfloat16)
+    f = jax.jit(jnp.dot)
+    sec = timed(f, a, a, repeats=args.repeats)
+    sec_acc32 = timed(bf16_acc32, b, b, repeats=args.repeats)
+    sec_bf16 = timed(f, b, b, repeats=args.repeats)
+    flop = 2 * n**3
+    rows.append({"n": n, "seconds": sec, "gflops": flop / sec / 1e9,
+                 "bf16_f32acc_gflops": flop / sec_acc32 / 1e9,
+                 "bf16_gflops": flop / sec_bf16 / 1e9})
+    print(f"matmul {n:5d}x{n:<5d} f32  {rows[-1]['gflops']:8.1f} GFLOP/s   bf16 -> f32 "
+          f"{rows[-1]['bf16_f32acc_gflops']:8.1f}   bf16 -> bf16 {rows[-1]['bf16_gflops']:8.1f}")
+  return {"peak_gflops": max(r["gflops"] for r in rows), "rows": rows}

@@ -82,8 +82,9 @@ def _step_bytes(mcfg, param_bytes: int, cache_item: int, B: int, G: int, P: int,
 
 
 def bench_bandwidth(args) -> dict:
-  from gspo_jax import programs, sampling
   from gspo_jax.models import config, transformer
+  from gspo_jax.rollout import sampling
+  from gspo_jax.train import programs
 
   bw = bandwidth(args.gib, args.repeats)
   mcfg = config.ModelConfig(rope_theta=1e6, **SHAPES[args.shape])

@@ -113,7 +113,7 @@ def _teacher_gap(model, inputs, rollout) -> dict:
   """max and mean |sampler - teacher-forced| log-prob over the rollout's counted tokens."""
   from flax import nnx
 
-  from gspo_jax.teacher_forcing import response_logprobs
+  from gspo_jax.rollout.teacher_forcing import response_logprobs
   graphdef, _ = model
   params, prompts, lens, _ = inputs
   teacher = jax.jit(lambda p: response_logprobs(nnx.merge(graphdef, p), prompts, lens,

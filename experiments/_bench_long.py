@@ -67,8 +67,8 @@ def _flat_unembedding(model) -> None:
 
 
 def sampler_row(args, T: int, varying: bool) -> dict:
-  from gspo_jax import sampling
   from gspo_jax.models import transformer
+  from gspo_jax.rollout import sampling
   mcfg = _model(args, T)
   model = transformer.create(mcfg)
   B, P, G = args.prompts, args.prompt_len, args.group
@@ -106,8 +106,8 @@ def sampler_row(args, T: int, varying: bool) -> dict:
 
 def compact_row(args, T: int) -> dict:
   """Compaction off vs on at varying lengths, timed alternately (see the module docstring)."""
-  from gspo_jax import sampling
   from gspo_jax.models import transformer
+  from gspo_jax.rollout import sampling
   model = transformer.create(_model(args, T))
   _flat_unembedding(model)
   B, P, G = args.prompts, args.prompt_len, args.group

@@ -39,7 +39,7 @@ def _logp_gap(mcfg_a, mcfg_b, params, batch) -> dict:
   from flax import nnx
 
   from gspo_jax.models import transformer
-  from gspo_jax.teacher_forcing import response_logprobs
+  from gspo_jax.rollout.teacher_forcing import response_logprobs
 
   def logp(mcfg):
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: transformer.Transformer(
@@ -57,7 +57,7 @@ def _logp_gap(mcfg_a, mcfg_b, params, batch) -> dict:
 def bench_matmul(args) -> dict:
   from flax import nnx
 
-  from experiments.benchmark import bench_peak
+  from experiments._bench import bench_peak
   from gspo_jax.models import config, transformer
   peak = bench_peak(argparse.Namespace(sizes=[1024, 2048], repeats=3))
   f32 = config.ModelConfig(rope_theta=1e6, **SHAPES[args.shape])

@@ -1,7 +1,7 @@
 """Numbers experiments/README.md quotes in its text, rendered from the committed summaries.
 
 Each entry renders a phrase the README must contain verbatim (whitespace aside);
-tests/test_experiments_readme.py fails when a summary no longer gives the phrase, so a
+tests/experiments/test_experiments_readme.py fails when a summary no longer gives the phrase, so a
 number in the text cannot drift from its file unnoticed.
 """
 

@@ -2,7 +2,7 @@
 and plot their metrics. A run directory is <out>/runs/<variant>_seed<k>/ (metrics.jsonl,
 summary.json); one whose summary.json is missing was interrupted and starts again.
 
-Training seconds are the loop's own `time_iteration` (`gspo_jax.train.iterate`): the wall
+Training seconds are the loop's own `time_iteration` (`gspo_jax.train.loop.iterate`): the wall
 time from one iteration to the next, with the device phases overlapping as they do in a
 run, and the held-out evaluations and checkpoints the loop runs between iterations
 included (the same for every variant of an experiment)."""
@@ -21,8 +21,9 @@ import time
 import numpy as np
 
 from experiments import _plots, _results
-from gspo_jax import configlib, train
 from gspo_jax.config import LossConfig, TrainConfig
+from gspo_jax.train import loop as train
+from gspo_jax.utils import configlib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # What one iteration's metrics row says it took (the loop writes it for every iteration).

@@ -3,7 +3,7 @@ paired-comparison table every section of experiments/README.md uses.
 
 experiments/README.md marks each table it takes from a file with `<!-- table: NAME -->` on
 the line before it; `experiments/readme_tables.py` renders NAME from experiments/results/
-and tests/test_experiments_readme.py checks that the README's copy is the rendered one.
+and tests/experiments/test_experiments_readme.py checks that the README's copy is the rendered one.
 """
 
 from __future__ import annotations

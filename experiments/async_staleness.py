@@ -6,7 +6,7 @@ The medium chain task (configs/long_chain.py at task.steps=6: 63-token worked so
 max_new_tokens 72), 32 prompts x 8 responses in 4 minibatches, lr 1e-4, 20 iterations,
 held-out (128 problems, greedy) every 5 -- the stability map's medium / 4-minibatch / 1e-4
 cell -- with the sampler `asynchronous.max_staleness` = k versions behind (fixed lag,
-gspo_jax/placement.py). Variants:
+gspo_jax/parallel/placement.py). Variants:
 
   gspo_k<k>      GSPO, pi_old = the sampling version's (its ratio spans the staleness)
   grpo_k<k>      GRPO, likewise
@@ -38,7 +38,7 @@ import numpy as np
 
 from experiments import _plots, _runs, _stats, stability_map
 from gspo_jax.config import RolloutCorrectionConfig, TrainConfig
-from gspo_jax.placement import AsyncConfig
+from gspo_jax.parallel.placement import AsyncConfig
 
 STALENESS = (0, 1, 2, 4)
 LOSSES = ("gspo", "grpo", "gspo_tis")

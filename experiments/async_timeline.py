@@ -33,9 +33,10 @@ import shutil  # noqa: E402
 import numpy as np  # noqa: E402
 
 from experiments import _plots, _results, stability_map  # noqa: E402
-from gspo_jax import sharding, train  # noqa: E402
 from gspo_jax.config import SFTConfig  # noqa: E402
-from gspo_jax.placement import AsyncConfig, PlacementConfig  # noqa: E402
+from gspo_jax.parallel import sharding
+from gspo_jax.parallel.placement import AsyncConfig, PlacementConfig  # noqa: E402
+from gspo_jax.train import loop as train  # noqa: E402
 
 ROWS = {"sample": 0, "weight_copy": 0, "score": 1, "update": 2}
 LANES = ("sampler (devices 4-7)", "host", "trainer (devices 0-3)")

@@ -11,6 +11,9 @@
     python -m experiments.benchmark long       # sampler and update at T = 256 / 512 / 1024
     python -m experiments.benchmark decode     # ms per decode step at T = 64 / 256 / 1024 vs a commit
 
+`python experiments/benchmark.py ...` works too: run as a file, it runs itself as the
+module above (the two stanzas below), so its package imports resolve the same way.
+
 `all` writes benchmark_all.json (every record at its quick size, see QUICK); a subcommand
 writes benchmark_<name>.json at its full size. Figures are measured in one process; ratios
 compare runs of the same process on the same input. Machines are noisy: every record holds
@@ -21,44 +24,39 @@ committed experiments/results/ instead, and --out DIR anywhere.
 
 from __future__ import annotations
 
+import sys
+
+if __name__ == "__main__" and not __package__:
+  # Run as a file (`python experiments/benchmark.py`), sys.path[0] is experiments/ itself,
+  # where `import experiments` cannot resolve: run this file as the module instead, from the
+  # repository root, exactly as `python -m experiments.benchmark` does.
+  import os
+  import runpy
+  sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  runpy.run_module("experiments.benchmark", run_name="__main__", alter_sys=True)
+  raise SystemExit(0)
+
 import argparse
 import dataclasses
 import functools
 import os
 import statistics
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import (_bench, _bench_bandwidth, _bench_decode, _bench_long, _bench_matmul,
-                         _results)
-from experiments._bench import machine, timed, update_flops, write
-from gspo_jax.logprobs import token_logprobs, token_logprobs_from_hidden
-
-
-def bench_peak(args) -> dict:
-  """float32 matmuls (the peak the update's MFU is taken against), and beside them bfloat16
-  inputs with a float32 result (`preferred_element_type`: where the CPU has AMX-BF16 or
-  AVX512-BF16 units, XLA:CPU uses them) and bfloat16 in and out."""
-  rows = []
-  bf16_acc32 = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
-  for n in args.sizes:
-    a = jnp.ones((n, n), jnp.float32)
-    b = a.astype(jnp.bfloat16)
-    f = jax.jit(jnp.dot)
-    sec = timed(f, a, a, repeats=args.repeats)
-    sec_acc32 = timed(bf16_acc32, b, b, repeats=args.repeats)
-    sec_bf16 = timed(f, b, b, repeats=args.repeats)
-    flop = 2 * n**3
-    rows.append({"n": n, "seconds": sec, "gflops": flop / sec / 1e9,
-                 "bf16_f32acc_gflops": flop / sec_acc32 / 1e9,
-                 "bf16_gflops": flop / sec_bf16 / 1e9})
-    print(f"matmul {n:5d}x{n:<5d} f32  {rows[-1]['gflops']:8.1f} GFLOP/s   bf16 -> f32 "
-          f"{rows[-1]['bf16_f32acc_gflops']:8.1f}   bf16 -> bf16 {rows[-1]['bf16_gflops']:8.1f}")
-  return {"peak_gflops": max(r["gflops"] for r in rows), "rows": rows}
+from experiments import (
+  _bench,
+  _bench_bandwidth,
+  _bench_decode,
+  _bench_long,
+  _bench_matmul,
+  _results,
+)
+from experiments._bench import bench_peak, machine, timed, update_flops, write
+from gspo_jax.models.logprobs import token_logprobs, token_logprobs_from_hidden
 
 
 def bench_logprobs(args) -> dict:
@@ -114,9 +112,9 @@ def _host_loop_sampler(model, cfg, style: str = "nnx"):
   """
   from flax import nnx
 
-  from gspo_jax import sampling
   from gspo_jax.models.transformer import KVCache
-  from gspo_jax.teacher_forcing import prompt_forward
+  from gspo_jax.rollout import sampling
+  from gspo_jax.rollout.teacher_forcing import prompt_forward
 
   def prefill(model, prompts, lens, key):
     out, valid, last = prompt_forward(model, prompts, lens)
@@ -156,8 +154,8 @@ HOST_LOOPS = {"nnx": "host loop, nnx.jit step", "jax": "host loop, jax.jit step,
 
 
 def bench_sampler(args) -> dict:
-  from gspo_jax import sampling
   from gspo_jax.models import config, transformer
+  from gspo_jax.rollout import sampling
 
   mcfg = config.tiny(vocab_size=args.vocab, hidden=args.width, num_layers=args.layers,
                      mlp_dim=4 * args.width, num_heads=4, num_kv_heads=2, head_dim=args.width // 4,
@@ -339,7 +337,7 @@ def bench_prefix(args) -> dict:
 
 
 def bench_iteration(args) -> dict:
-  """One GSPO iteration of `gspo_jax.train` (addition task, no cold start), three ways, each
+  """One GSPO iteration of `gspo_jax.train.loop` (addition task, no cold start), three ways, each
   from the same state over the same iterations: iteration 0 compiles, 1..N are timed.
 
     loop    `train.iterate`, as `train()` runs it (prepare overlaps the host's scoring, the
@@ -351,7 +349,7 @@ def bench_iteration(args) -> dict:
     phases  the same programs one at a time, blocking after each: a diagnostic of where the
             time goes (sample; score = decode + Python rewards on the host; prepare = pi_old
             by teacher forcing; update = advantages + the minibatch scan), medians.
-    fused   sample, token-id reward, prepare and update as one program (`gspo_jax.fused`),
+    fused   sample, token-id reward, prepare and update as one program (`gspo_jax.train.fused`),
             dispatched back to back; wall time / N, a mean.
 
   The phases also check the fused path's reward: how often the token-id exact match equals
@@ -360,7 +358,7 @@ def bench_iteration(args) -> dict:
 
   from gspo_jax.config import RolloutConfig, SFTConfig, TrainConfig
   from gspo_jax.models import config
-  from gspo_jax.run import setup
+  from gspo_jax.train.run import setup
   mcfg = config.tiny(vocab_size=32, hidden=args.width, mlp_dim=4 * args.width, num_heads=4,
                      num_kv_heads=2, head_dim=args.width // 4, num_layers=args.layers)
   cfg = TrainConfig(
@@ -417,7 +415,7 @@ LOOP_METRICS = ("time_sample", "time_score", "time_iteration", "tokens_per_s", "
 
 def _loop_iterations(run, n: int) -> dict:
   """`train.iterate` for iteration 0 (compiles), then for iterations 1..n, timed whole."""
-  from gspo_jax import train
+  from gspo_jax.train import loop as train
   rows = []
   keep = lambda step, m: rows.append({"step": step, **{k: float(m[k]) for k in LOOP_METRICS}})
   t0 = time.perf_counter()
@@ -434,7 +432,9 @@ def _loop_iterations(run, n: int) -> dict:
 def _phased_iteration(run, it: int) -> dict:
   """Iteration `it` as `rollout.rollout_step` + the update run it, blocking after each phase;
   also whether the token-id reward of the fused path equals the text reward, per response."""
-  from gspo_jax import fused, sharding, text
+  from gspo_jax.parallel import sharding
+  from gspo_jax.tasks import text
+  from gspo_jax.train import fused
   cfg, tok, mesh = run.cfg, run.tok, run.layout.mesh
   B, G, T = cfg.rollout.prompts_per_iter, cfg.rollout.group_size, cfg.rollout.max_new_tokens
   t0 = time.perf_counter()
@@ -469,7 +469,8 @@ def _fused_iterations(run, state, n: int) -> dict:
   """The fused program for iteration 0 (compiles), then iterations 1..n dispatched back to
   back (the host draws and encodes the next prompts and answers while the device runs),
   timed whole."""
-  from gspo_jax import fused, text
+  from gspo_jax.tasks import text
+  from gspo_jax.train import fused
   step = fused.make_fused_iteration(run)
   cfg = run.cfg
 
@@ -505,8 +506,8 @@ def bench_compile(args) -> dict:
   width), for the unrolled model and the scanned one (`ModelConfig.scan_layers`)."""
   from flax import nnx
 
-  from gspo_jax import sampling
   from gspo_jax.models import transformer
+  from gspo_jax.rollout import sampling
   R, P, T = args.rows, args.prompt_len, args.new_tokens
   scfg = sampling.SamplerConfig(group_size=2, max_new_tokens=T, eos_id=args.vocab - 1,
                                 max_prompt_len=P)

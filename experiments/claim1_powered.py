@@ -64,7 +64,7 @@ def _eps(loss: dict) -> list[float]:
   paper's (`losses.LOSS_DEFAULTS`), as the loss applies it."""
   if loss["eps_low"] is not None and loss["eps_high"] is not None:
     return [loss["eps_low"], loss["eps_high"]]
-  from gspo_jax import losses
+  from gspo_jax.objectives import losses
   default = losses.LOSS_DEFAULTS[loss["name"]]
   return [loss["eps_low"] if loss["eps_low"] is not None else default["eps_low"],
           loss["eps_high"] if loss["eps_high"] is not None else default["eps_high"]]

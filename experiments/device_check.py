@@ -71,8 +71,12 @@ def plan_check(config: str, iterations: int, sets: list[str]) -> dict:
   in use and the median iteration time (the first iteration, which compiles, left out)."""
   import statistics
   import tempfile
+
   import jax
-  from gspo_jax import configlib, plan, train
+
+  from gspo_jax.plan import planner as plan
+  from gspo_jax.train import loop as train
+  from gspo_jax.utils import configlib
   cfg = configlib.apply_overrides(configlib.load_config(config),
                                   [*sets, f"iterations={iterations}", "eval_every=0"])
   report = plan.plan(cfg, plan.LOCAL, only=plan.ITERATION)

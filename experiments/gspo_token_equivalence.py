@@ -28,10 +28,11 @@ import optax
 from flax import nnx
 
 from experiments import _plots, _results
-from gspo_jax import losses, sampling
-from gspo_jax.advantages import group_advantages
 from gspo_jax.models import config, transformer
-from gspo_jax.teacher_forcing import response_logprobs
+from gspo_jax.objectives import losses
+from gspo_jax.objectives.advantages import group_advantages
+from gspo_jax.rollout import sampling
+from gspo_jax.rollout.teacher_forcing import response_logprobs
 
 B, G, P, T = 8, 4, 6, 8
 BONUS = 0.5

@@ -26,11 +26,12 @@ import time
 def time_tree(tree: str, iterations: int, skip: int, seed: int) -> dict:
   """One tree's intervals, in the process `main` starts with PYTHONPATH = the tree (so
   `gspo_jax` is that tree's; the report records which file was imported)."""
-  from gspo_jax import metrics, train
+  from gspo_jax.train import loop as train
+  from gspo_jax.train import metrics
   try:
     from gspo_jax.config import RolloutConfig, SFTConfig, TrainConfig
   except ImportError:  # a checkout from before gspo_jax/config.py
-    from gspo_jax.train import RolloutConfig, SFTConfig, TrainConfig
+    from gspo_jax.train.loop import RolloutConfig, SFTConfig, TrainConfig
   from gspo_jax.models.config import tiny
   stamps = []
   write = metrics.MetricsWriter.write

@@ -38,11 +38,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import _bench
-from gspo_jax import configlib, lora, lora_quant, sharding
-from gspo_jax import run as R
 from gspo_jax.config import SFTConfig, TrainConfig
-from gspo_jax.lora import LoRAConfig
-from gspo_jax.rollout import rollout_step
+from gspo_jax.lora import adapters as lora
+from gspo_jax.lora import quant as lora_quant
+from gspo_jax.lora.adapters import LoRAConfig
+from gspo_jax.parallel import sharding
+from gspo_jax.train import run as R
+from gspo_jax.train.collect import rollout_step
+from gspo_jax.utils import configlib
 
 
 def measure(cfg: TrainConfig, run_dir: str, repeats: int) -> dict:
@@ -76,9 +79,10 @@ SHAPES = {"qwen3_8b": dict(vocab_size=151936, hidden=4096, num_layers=36, num_he
 def state_bytes(model: str, rank: int, alpha: float) -> dict:
   """Bytes of the update's state for `SHAPES[model]`, full fine-tuning and LoRA."""
   from flax import nnx
+
   from gspo_jax.models.config import ModelConfig
   from gspo_jax.models.transformer import Transformer
-  from gspo_jax.optim import OptimConfig, make_optimizer
+  from gspo_jax.train.optim import OptimConfig, make_optimizer
   tx = make_optimizer(OptimConfig())
   shapes = lambda dtype: nnx.split(nnx.eval_shape(lambda: Transformer(
       ModelConfig(**SHAPES[model], param_dtype=dtype), rngs=nnx.Rngs(0))), nnx.Param)[1]

@@ -27,8 +27,9 @@ import shutil
 import time
 
 from experiments import _bench, _results
-from gspo_jax import configlib, lora
-from gspo_jax import train as T
+from gspo_jax.lora import adapters as lora
+from gspo_jax.train import loop as T
+from gspo_jax.utils import configlib
 
 
 def curve(run_dir: str, start: float | None) -> list[list[float]]:
@@ -42,7 +43,7 @@ def curve(run_dir: str, start: float | None) -> list[list[float]]:
 
 def state_bytes(cfg, run_dir: str) -> dict:
   """The trained run's update state and frozen base in bytes (`run.load_run`)."""
-  from gspo_jax.run import load_run
+  from gspo_jax.train.run import load_run
   run = load_run(run_dir)
   out = {"param_bytes": lora.num_bytes(run.state.params),
          "opt_bytes": lora.num_bytes(run.state.opt_state),

@@ -34,17 +34,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import _results
-from gspo_jax import coldstart, configlib, evaluate, programs, sharding, step
+from gspo_jax import evaluate
 from gspo_jax.config import LossConfig, TrainConfig
 from gspo_jax.models.config import tiny_moe
-from gspo_jax.rollout import rollout_step
-from gspo_jax.run import setup
+from gspo_jax.parallel import sharding
+from gspo_jax.train import coldstart, programs, step
+from gspo_jax.train.collect import rollout_step
+from gspo_jax.train.run import setup
+from gspo_jax.utils import configlib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 LOSSES = ("gspo", "grpo")
 # Layers -> widths at about the 2-layer model's active matmul parameters per token (199k;
-# 4 layers +7%, 8 layers +1%, 16 layers -4%, tests/test_experiments_figures.py): attention
+# 4 layers +7%, 8 layers +1%, 16 layers -4%, tests/experiments/test_experiments_figures.py): attention
 # heads of 32 (22 at 16 layers) and expert MLPs half the width, 8 experts, top-2.
 DEPTHS = {
     2: dict(hidden=128, num_heads=4, num_kv_heads=2, head_dim=32, moe_mlp_dim=64),

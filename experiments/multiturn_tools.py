@@ -21,8 +21,8 @@ import os
 import sys
 
 from experiments import _runs
-from gspo_jax import configlib
 from gspo_jax.config import LossConfig, SFTConfig
+from gspo_jax.utils import configlib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -19,7 +19,7 @@ What is compared, and why it is the same work on both sides:
 * Generated tokens/s. B prompts of P tokens, G responses each, exactly T new tokens,
   temperature 1, no top-k / top-p. No response may stop early: the EOS id is set to V (one
   past the vocabulary), which the sampler can never draw, on both sides. Ours:
-  `gspo_jax.sampling.sample_groups` (one compiled program; each prompt prefilled once and
+  `gspo_jax.rollout.sampling.sample_groups` (one compiled program; each prompt prefilled once and
   its KV cache shared by its G responses), results fetched to the host. Theirs: what
   tunix's GRPO learner runs for a rollout: the prompts repeated G times (each prompt's
   copies adjacent, as `RLLearner` does with `np.repeat`), given as strings to
@@ -33,7 +33,7 @@ What is compared, and why it is the same work on both sides:
   minibatch), the same pi_old log-probs and advantages (ours computes them from the
   rewards inside the update, `group_advantages`; tunix is handed the same values), the same
   optax optimizer (ours: `optim.make_optimizer`, AdamW lr 1e-4 with global-norm clip 1.0,
-  handed to both), float32. Ours: `gspo_jax.step.update` under `jax.jit` with the state
+  handed to both), float32. Ours: `gspo_jax.train.step.update` under `jax.jit` with the state
   donated (as in `benchmark.py train`), loss "gspo"; every timed call starts from the same
   state (a copy of the initial one, made before the clock starts), so every call updates
   the same pi_theta against the same pi_old: repeated updates from the state each call
@@ -72,32 +72,33 @@ import numpy as np
 from flax import nnx
 
 from experiments import _bench, _results
-from experiments.benchmark import bench_peak
-from gspo_jax import optim, programs, sampling, step
-from gspo_jax.advantages import group_advantages
+from experiments._bench import bench_peak
 from gspo_jax.config import LossConfig, RolloutConfig, TrainConfig
 from gspo_jax.models import config as our_config
 from gspo_jax.models import transformer
-from gspo_jax.row_skip import RowSkipConfig
+from gspo_jax.objectives.advantages import group_advantages
+from gspo_jax.objectives.row_skip import RowSkipConfig
+from gspo_jax.rollout import sampling
+from gspo_jax.train import optim, programs, step
 
 TARGET_SPEEDUP = 2.0
 # Stored in the record: exactly what each side's timed call runs.
 WHAT_RUNS = {
-    "sampling_ours": "jax.device_get(gspo_jax.sampling.sample_groups(model, prompts_BxP, lens, "
+    "sampling_ours": "jax.device_get(gspo_jax.rollout.sampling.sample_groups(model, prompts_BxP, lens, "
                      "key, SamplerConfig(group_size=G, eos_id=V, ...)))",
     "sampling_ours_repeated_prompts": "the same with prompts repeated G times and group_size=1",
     "sampling_theirs": "tunix.rl.rollout.vanilla_rollout.VanillaRollout(model, tokenizer, "
                        "CacheConfig(cache_size=P+T)).generate(B*G prompt strings, "
                        "RolloutConfig(max_tokens_to_generate=T, temperature=1.0, top_p=1.0, "
                        "top_k=None, max_prompt_length=P, eos_tokens=[V]))",
-    "update_ours": "jax.jit(gspo_jax.step.update, donate state)(state, batch, rewards_BxG); "
+    "update_ours": "jax.jit(gspo_jax.train.step.update, donate state)(state, batch, rewards_BxG); "
                    "loss 'gspo', 1 minibatch",
     "update_theirs": "tunix.rl.trainer.Trainer(model, optimizer, TrainingConfig)"
                      ".with_loss_fn(grpo_loss_fn wrapper as in GRPOLearner, has_aux=True)"
                      ".with_gen_model_input_fn(as in GRPOLearner).jit_train_and_eval_step("
                      "cache_nnx_graph=True)[0](TrainExample); GRPOConfig(loss_algo='gspo-token', "
                      "beta=0, epsilon=3e-4) + epsilon_high=4e-4",
-    "optimizer_both": "gspo_jax.optim.make_optimizer(OptimConfig()): clip_by_global_norm(1.0), "
+    "optimizer_both": "gspo_jax.train.optim.make_optimizer(OptimConfig()): clip_by_global_norm(1.0), "
                       "adamw(lr=1e-4, b1=0.9, b2=0.99, weight_decay=0)",
 }
 

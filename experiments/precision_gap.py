@@ -29,8 +29,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import _plots, _results
-from gspo_jax import losses, programs, sharding, step
-from gspo_jax.run import load_run
+from gspo_jax.objectives import losses
+from gspo_jax.parallel import sharding
+from gspo_jax.train import programs, step
+from gspo_jax.train.run import load_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

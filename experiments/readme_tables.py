@@ -5,7 +5,7 @@
     python -m experiments.readme_tables --write    # rewrite the README's marked tables
 
 A table NAME sits in the README after `<!-- table: NAME -->`; a table whose numbers exist in
-no committed file sits after `<!-- untraced: why -->` instead (tests/test_experiments_readme.py
+no committed file sits after `<!-- untraced: why -->` instead (tests/experiments/test_experiments_readme.py
 requires one marker or the other before every table). Paired tables compare variants seed by
 seed (`experiments/_stats.py`): the per-seed differences, their mean and the 95% t-interval.
 """
@@ -20,19 +20,29 @@ import sys
 import numpy as np
 
 from experiments import _results, _stats
-from experiments._readme_async import (async_staleness, async_staleness_comparisons,
-                                       async_timeline)
-from experiments._readme_claim1 import (claim1_powered, claim1_powered_endpoints,
-                                        claim1_powered_secondary)
+from experiments._readme_async import async_staleness, async_staleness_comparisons, async_timeline
+from experiments._readme_claim1 import (
+  claim1_powered,
+  claim1_powered_endpoints,
+  claim1_powered_secondary,
+)
 from experiments._readme_depth import moe_depth, moe_depth_endpoints
-from experiments._readme_replay_depth import (routing_replay_depth, routing_replay_depth_c,
-                                              routing_replay_depth_c_descriptive,
-                                              routing_replay_depth_c_endpoints,
-                                              routing_replay_depth_descriptive,
-                                              routing_replay_depth_endpoints)
-from experiments._readme_stability import (clip_vs_length, multiturn, multiturn_comparisons,
-                                           stability_grid, stability_seeds,
-                                           stability_seeds_comparisons)
+from experiments._readme_replay_depth import (
+  routing_replay_depth,
+  routing_replay_depth_c,
+  routing_replay_depth_c_descriptive,
+  routing_replay_depth_c_endpoints,
+  routing_replay_depth_descriptive,
+  routing_replay_depth_endpoints,
+)
+from experiments._readme_stability import (
+  clip_vs_length,
+  multiturn,
+  multiturn_comparisons,
+  stability_grid,
+  stability_seeds,
+  stability_seeds_comparisons,
+)
 from experiments._tables import f3, frac, gains, load, mean_sd, paired_table, pct, seeds, table
 
 README = os.path.join(_results.ROOT, "experiments", "README.md")

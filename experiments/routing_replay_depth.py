@@ -41,7 +41,7 @@ import numpy as np
 
 from experiments import _results, _stats
 from experiments.claim1_powered import collapsed
-from gspo_jax import coldstart
+from gspo_jax.train import coldstart
 
 NAME = "routing_replay_depth"
 VARIANTS = ("grpo_free", "grpo_replay", "gspo_free")

@@ -33,11 +33,11 @@ import numpy as np
 from flax import nnx
 
 from experiments import _bench, _results
-from gspo_jax import optim, programs, step
 from gspo_jax.config import LossConfig, RolloutConfig, TrainConfig
 from gspo_jax.models import config as model_config
 from gspo_jax.models import transformer
-from gspo_jax.row_skip import RowSkipConfig
+from gspo_jax.objectives.row_skip import RowSkipConfig
+from gspo_jax.train import optim, programs, step
 
 
 def model_cfg(args) -> model_config.ModelConfig:

@@ -31,9 +31,9 @@ from flax import nnx
 
 from experiments import _bench, _results
 from experiments.row_skip_timing import build_parser, make_batch, model_cfg, train_cfg
-from gspo_jax import optim, programs, step
-from gspo_jax.advantages import group_advantages
 from gspo_jax.models import transformer
+from gspo_jax.objectives.advantages import group_advantages
+from gspo_jax.train import optim, programs, step
 
 
 def parts(graphdef, params, args, T: int) -> dict:

@@ -1,7 +1,7 @@
 """gspo_jax: Group Sequence Policy Optimization (arXiv:2507.18071) in JAX / Flax NNX.
 
-The loss components are pure functions over arrays (`gspo_jax.losses`,
-`gspo_jax.advantages`); the model is bound in at the train step.
+The loss components are pure functions over arrays (`gspo_jax.objectives.losses`,
+`gspo_jax.objectives.advantages`); the model is bound in at the train step.
 
 Arrays are named with their shape (`adv_BxG`, `logp_BxGxT`) under one legend for the whole
 package, docs/shapes.md: B prompts, G responses per prompt, R = B*G rows, P prompt and T
@@ -9,9 +9,9 @@ response positions, V vocabulary, D model width, ... (the loss library's `_BxT` 
 rows; that page says where else a public name reads differently).
 """
 
-from gspo_jax.advantages import group_advantages
-from gspo_jax.logprobs import token_logprobs, token_logprobs_from_hidden
-from gspo_jax.losses import (
+from gspo_jax.models.logprobs import token_logprobs, token_logprobs_from_hidden
+from gspo_jax.objectives.advantages import group_advantages
+from gspo_jax.objectives.losses import (
     AGGREGATIONS,
     KL_ESTIMATORS,
     LOSS_DEFAULTS,

@@ -1,7 +1,7 @@
 """The configs of a training run: frozen dataclasses, checked when they are built.
 
 A config file is a Python file whose `get_config()` returns a `TrainConfig` (configs/);
-`--set dotted.field=value` overrides any field (gspo_jax/configlib.py). Every check here
+`--set dotted.field=value` overrides any field (gspo_jax/utils/configlib.py). Every check here
 names the field the user sets (`rollout.temperature`, not the sampler's own name), so a
 bad setting stops the run before any work.
 
@@ -25,14 +25,17 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
-from gspo_jax import _checks, expert_mesh, losses, sharding
-from gspo_jax.lora import LoRAConfig, check_model as check_lora
-from gspo_jax.optim import OptimConfig
-from gspo_jax.placement import AsyncConfig, PlacementConfig, check_config as check_async
-from gspo_jax.rollout_correction import RolloutCorrectionConfig
-from gspo_jax.row_skip import RowSkipConfig, refusals
-from gspo_jax.tasks.config import TaskConfig  # the task group (re-exported here)
+from gspo_jax.lora.adapters import LoRAConfig
+from gspo_jax.lora.adapters import check_model as check_lora
 from gspo_jax.models.config import ModelConfig, tiny
+from gspo_jax.objectives import losses
+from gspo_jax.objectives.rollout_correction import RolloutCorrectionConfig
+from gspo_jax.objectives.row_skip import RowSkipConfig, refusals
+from gspo_jax.parallel import expert_mesh, sharding
+from gspo_jax.parallel.placement import AsyncConfig, PlacementConfig, is_async
+from gspo_jax.parallel.placement import check_config as check_async
+from gspo_jax.tasks.config import TaskConfig  # the task group (re-exported here)
+from gspo_jax.utils import checks
 
 OLD_LOGP_SOURCES = ("recompute", "sampler")
 # MoE routing in the update (paper section 5.3):
@@ -45,7 +48,7 @@ OLD_LOGP_SOURCES = ("recompute", "sampler")
 #           gate renormalised over them from the trainer's router (gspo_jax/models/moe.py).
 ROUTING_MODES = ("free", "track", "replay", "rollout_replay")
 SAMPLER_DTYPES = ("", "float32", "bfloat16")
-# Responses that hit rollout.max_new_tokens without EOS (gspo_jax/lengths.py says where each
+# Responses that hit rollout.max_new_tokens without EOS (gspo_jax/rollout/lengths.py says where each
 # acts and why):
 #   count:    trained on like any other response (the paper's setting);
 #   mask:     left out of the loss and of their group's advantage statistics (DAPO's
@@ -53,6 +56,22 @@ SAMPLER_DTYPES = ("", "float32", "bfloat16")
 #   overlong: DAPO's soft overlong punishment added to every response's reward, falling
 #             from 0 at max_new_tokens - overlong_cache tokens to -1 at max_new_tokens.
 TRUNCATION_MODES = ("count", "mask", "overlong")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+  """The RL update's AdamW (`train.optim.make_optimizer`)."""
+  learning_rate: float = 1e-4
+  warmup_steps: int = 0
+  decay_steps: int = 0              # cosine decay to 10% over this many steps; 0 = constant
+  weight_decay: float = 0.0
+  grad_clip: float = 1.0            # global-norm clip; 0 = off
+  b1: float = 0.9
+  b2: float = 0.99
+
+  def __post_init__(self):
+    if not self.learning_rate > 0:
+      raise ValueError(f"optim.learning_rate must be > 0; got {self.learning_rate}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +86,7 @@ class RolloutConfig:
   # Sample with parameters and activations cast to this dtype ("" = the trainer's): a
   # bfloat16 inference engine next to a float32 trainer (paper section 5.4).
   sampler_dtype: Literal["", "float32", "bfloat16"] = ""
-  # DAPO's dynamic sampling (gspo_jax/dynamic_sampling.py): sample this many prompts more than
+  # DAPO's dynamic sampling (gspo_jax/rollout/dynamic_sampling.py): sample this many prompts more than
   # prompts_per_iter, and train on prompts_per_iter groups, those whose rewards are not
   # all equal first; 0 = off.
   oversample: int = 0
@@ -84,8 +103,8 @@ class RolloutConfig:
         or self.compact_rows < 0:
       raise ValueError(f"rollout.compact_rows must be an int >= 0 (halvings of the decode "
                        f"rows; 0 = off); got {self.compact_rows!r}")
-    _checks.check_choice("config", "rollout.sampler_dtype", self.sampler_dtype, SAMPLER_DTYPES)
-    _checks.check_choice("config", "rollout.kv_cache_dtype", self.kv_cache_dtype, SAMPLER_DTYPES)
+    checks.check_choice("config", "rollout.sampler_dtype", self.sampler_dtype, SAMPLER_DTYPES)
+    checks.check_choice("config", "rollout.kv_cache_dtype", self.kv_cache_dtype, SAMPLER_DTYPES)
     if isinstance(self.oversample, bool) or not isinstance(self.oversample, int) \
         or self.oversample < 0:
       raise ValueError(f"rollout.oversample must be an int >= 0 (extra prompts sampled per "
@@ -131,7 +150,7 @@ class MultiTurnConfig:
   credit: Literal["turn", "episode"] = "turn"
 
   def __post_init__(self):
-    _checks.check_choice("config", "multiturn.credit", self.credit, CREDITS)
+    checks.check_choice("config", "multiturn.credit", self.credit, CREDITS)
     for name in ("max_obs_tokens", "max_turns"):
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -181,11 +200,11 @@ class LossConfig:
   kl_estimator: Literal["k1", "k2", "k3"] = "k3"
 
   def __post_init__(self):
-    _checks.check_choice("config", "loss.name", self.name, tuple(losses.LOSSES))
-    _checks.check_choice("config", "loss.kl_estimator", self.kl_estimator,
+    checks.check_choice("config", "loss.name", self.name, tuple(losses.LOSSES))
+    checks.check_choice("config", "loss.kl_estimator", self.kl_estimator,
                          losses.KL_ESTIMATORS)
     if self.aggregation is not None:
-      _checks.check_choice("config", "loss.aggregation", self.aggregation, losses.AGGREGATIONS)
+      checks.check_choice("config", "loss.aggregation", self.aggregation, losses.AGGREGATIONS)
     for name, value in self._hyperparameters().items():
       if value is not None and name not in losses.LOSS_DEFAULTS[self.name]:
         # Refused, not ignored: e.g. token-mean aggregation would length-weight GSPO.
@@ -240,7 +259,7 @@ class TrainConfig:
   old_logp: Literal["recompute", "sampler"] = "recompute"  # "sampler": its log-probs are pi_old
   rollout_correction: RolloutCorrectionConfig = RolloutCorrectionConfig()
   multiturn: MultiTurnConfig = MultiTurnConfig()
-  # LoRA adapters on a frozen base (gspo_jax/lora.py, docs/lora.md); rank 0 = off.
+  # LoRA adapters on a frozen base (gspo_jax/lora/adapters.py, docs/lora.md); rank 0 = off.
   lora: LoRAConfig = LoRAConfig()
   routing: Literal["free", "track", "replay", "rollout_replay"] = "free"  # MoE: ROUTING_MODES
   # Teacher forcing (pi_theta, pi_old, pi_ref) computes each prompt once for its G responses
@@ -257,7 +276,7 @@ class TrainConfig:
   # xla_backend_optimization_level=0), so existing configs would not train bit for bit
   # as before.
   length_clip_metrics: bool = False
-  # Skip the backward pass of rows whose gradient is exactly zero (gspo_jax/row_skip.py):
+  # Skip the backward pass of rows whose gradient is exactly zero (gspo_jax/objectives/row_skip.py):
   # the same update up to float32 summation order; docs/update_speed.md says when it pays.
   row_skip: RowSkipConfig = RowSkipConfig()
   # Time each phase alone: the host waits for the sampler, prepare and the update, so that
@@ -269,7 +288,7 @@ class TrainConfig:
   # runs, `python -m gspo_jax.plan`); the same log-probs up to float rounding.
   prepare_chunks: int = 1
   # The sampler on devices of its own, and up to k policy versions ahead of the trainer
-  # (gspo_jax/placement.py, docs/async.md); the defaults are the synchronous loop.
+  # (gspo_jax/parallel/placement.py, docs/async.md); the defaults are the synchronous loop.
   placement: PlacementConfig = PlacementConfig()
   asynchronous: AsyncConfig = AsyncConfig()
 
@@ -294,8 +313,8 @@ class TrainConfig:
   MOVED = MOVED
 
   def __post_init__(self):
-    _checks.check_choice("config", "old_logp", self.old_logp, OLD_LOGP_SOURCES)
-    _checks.check_choice("config", "routing", self.routing, ROUTING_MODES)
+    checks.check_choice("config", "old_logp", self.old_logp, OLD_LOGP_SOURCES)
+    checks.check_choice("config", "routing", self.routing, ROUTING_MODES)
     check_truncation(self)
     check_async(self)
     if self.rollout_correction.weights and self.old_logp == "sampler":
@@ -377,7 +396,7 @@ def check_routing(cfg: TrainConfig) -> None:
 
 
 def check_truncation(cfg: TrainConfig) -> None:
-  _checks.check_choice("config", "truncation", cfg.truncation, TRUNCATION_MODES)
+  checks.check_choice("config", "truncation", cfg.truncation, TRUNCATION_MODES)
   T, cache = cfg.rollout.max_new_tokens, cfg.overlong_cache
   if isinstance(cache, bool) or not isinstance(cache, int):
     raise ValueError(f"overlong_cache must be an int (tokens); got {cache!r}")
@@ -404,7 +423,9 @@ def check_multiturn(cfg: TrainConfig) -> None:
              # the episode sampler decodes every row to the end: it never compacts
              "rollout.compact_rows": cfg.rollout.compact_rows != 0,
              "routing='rollout_replay'": cfg.routing == "rollout_replay",
-             "lora.rank": cfg.lora.rank != 0}
+             "lora.rank": cfg.lora.rank != 0,
+             # multi-turn episodes run their own loop, not the asynchronous pipeline
+             "asynchronous.* / placement.sampler_devices": is_async(cfg)}
   if mt.turn_credit:  # per-token advantages: these read one advantage per sequence
     refused.update({"truncation='mask'/'overlong'": cfg.truncation != "count",
                     "length_clip_metrics": cfg.length_clip_metrics,

@@ -32,9 +32,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from gspo_jax import configlib, losses
-from gspo_jax.advantages import group_advantages
-from gspo_jax.logprobs import token_logprobs
+from gspo_jax.models.logprobs import token_logprobs
+from gspo_jax.objectives import losses
+from gspo_jax.objectives.advantages import group_advantages
+from gspo_jax.utils import configlib
 
 NUM_DIGITS = 10
 EOS = NUM_DIGITS  # token id of end-of-sequence

@@ -16,9 +16,10 @@ import argparse
 import jax
 import numpy as np
 
-from gspo_jax import sampling, text
-from gspo_jax.hf_tokenizer import load_tokenizer
 from gspo_jax.models import hf
+from gspo_jax.rollout import sampling
+from gspo_jax.tasks import text
+from gspo_jax.tasks.hf_tokenizer import load_tokenizer
 
 
 def generate(model, tok, prompts: list[str], *, max_new_tokens: int = 32,

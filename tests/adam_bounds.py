@@ -12,7 +12,7 @@ machine's rounding; the gradients themselves are compared tightly.
 
 import numpy as np
 
-EPS = 1e-8  # optax.adamw's default eps (gspo_jax/step.py make_optimizer keeps it)
+EPS = 1e-8  # optax.adamw's default eps (gspo_jax/train/step.py make_optimizer keeps it)
 
 
 def first_step(g, eps=EPS):

@@ -17,9 +17,10 @@ import numpy as np
 from flax import nnx
 
 from gspo_jax import config as C
-from gspo_jax import sampling, sharding
 from gspo_jax.models import config as model_config
-from gspo_jax.rollout import rollout_step
+from gspo_jax.parallel import sharding
+from gspo_jax.rollout import sampling
+from gspo_jax.train.collect import rollout_step
 
 # -- configs --------------------------------------------------------------------------------
 

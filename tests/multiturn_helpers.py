@@ -5,7 +5,7 @@ import dataclasses
 
 from gspo_jax.multiturn.envs import EnvStep
 from gspo_jax.multiturn.sampler import EpisodeConfig
-from gspo_jax.sampling import SamplerConfig
+from gspo_jax.rollout.sampling import SamplerConfig
 
 PAD, EOS, BOS = 0, 1, 2
 CHARS = "0123456789;?+*<>/calc[]"   # ids 3.. ; "/" is the stop token of these tests

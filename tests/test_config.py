@@ -12,9 +12,14 @@ import typing
 import numpy as np
 import pytest
 
-from gspo_jax import config, configlib, demo, losses, programs, sampling, train
+from gspo_jax import config, demo
 from gspo_jax.config import TrainConfig
 from gspo_jax.models.config import tiny, tiny_moe
+from gspo_jax.objectives import losses
+from gspo_jax.rollout import sampling
+from gspo_jax.train import loop as train
+from gspo_jax.train import programs
+from gspo_jax.utils import configlib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(f for f in os.listdir(os.path.join(ROOT, "configs")) if f.endswith(".py"))

@@ -33,7 +33,7 @@ def test_the_check_finds_a_rotten_mutant():
   first = m.MUTANTS[0]
   rotten = [dataclasses.replace(first, original="no such code"),
             dataclasses.replace(first, name="twice", original="\n"),
-            dataclasses.replace(first, name="gone", tests=("tests/test_streams.py::test_gone",)),
+            dataclasses.replace(first, name="gone", tests=("tests/train/test_streams.py::test_gone",)),
             first]
   problems = m.check(mutants=rotten)
   assert any("occurs 0 times" in p for p in problems)

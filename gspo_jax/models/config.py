@@ -145,7 +145,7 @@ def tiny_moe(**overrides) -> ModelConfig:
 
 # The real-model presets compute in bfloat16 and keep float32 master parameters (and so
 # float32 Adam moments): RL learning rates (~1e-6) move most weights by less than bfloat16's
-# resolution, so a bfloat16 parameter would not change (tests/test_model.py shows it).
+# resolution, so a bfloat16 parameter would not change (tests/models/test_model.py shows it).
 def qwen3_0_6b(**overrides) -> ModelConfig:
   """Qwen/Qwen3-0.6B shapes (documentation and abstract shape checks)."""
   base = dict(vocab_size=151936, hidden=1024, num_layers=28, num_heads=16, num_kv_heads=8,

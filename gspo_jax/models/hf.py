@@ -34,10 +34,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from gspo_jax import sharding as sharding_lib
 from gspo_jax.models import safetensors_io
 from gspo_jax.models.config import EXECUTION_FIELDS, ModelConfig
 from gspo_jax.models.transformer import Transformer
+from gspo_jax.parallel import sharding as sharding_lib
 
 ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                  "llama": "LlamaForCausalLM"}

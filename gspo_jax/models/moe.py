@@ -48,9 +48,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from gspo_jax import _checks, expert_mesh, sharding
 from gspo_jax.models.config import ModelConfig
 from gspo_jax.models.layers import param
+from gspo_jax.parallel import expert_mesh, sharding
+from gspo_jax.utils import checks
 
 Array = jax.Array
 
@@ -196,11 +197,11 @@ def load_balancing_loss(probs_nxE: Array, indices_nxK: Array, valid_n: Array) ->
 
 def _check_replay(replay: Array, shape: tuple[int, int, int], num_experts: int) -> None:
   """Shape and dtype at trace time; the index range only when the data is concrete."""
-  _checks.check_shape("MoE", "replay_BxSxK", replay, shape, "(B, S, experts_per_token)")
+  checks.check_shape("MoE", "replay_BxSxK", replay, shape, "(B, S, experts_per_token)")
   if not jnp.issubdtype(jnp.result_type(replay), jnp.integer):
     raise ValueError(f"MoE: replay_BxSxK must hold integer expert indices; "
                      f"got dtype {jnp.result_type(replay)}")
-  if _checks.is_concrete(replay):
+  if checks.is_concrete(replay):
     values = np.asarray(replay)
     if values.size and (values.min() < 0 or values.max() >= num_experts):
       raise ValueError(f"MoE: replay_BxSxK must lie in [0, {num_experts}) (num_experts); "
@@ -218,7 +219,7 @@ class MoE(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     if cfg.num_experts <= 0:
       raise ValueError(f"MoE needs cfg.num_experts > 0; got {cfg.num_experts}")
-    _checks.check_choice("MoE", "cfg.moe_dispatch", cfg.moe_dispatch, tuple(_DISPATCH))
+    checks.check_choice("MoE", "cfg.moe_dispatch", cfg.moe_dispatch, tuple(_DISPATCH))
     self.hidden = cfg.hidden
     self.num_experts = cfg.num_experts
     self.experts_per_token = cfg.experts_per_token
@@ -242,7 +243,7 @@ class MoE(nnx.Module):
     replay_BxSxK: forced expert indices (Routing Replay); the returned indices are the ones
     used, so feeding them back reproduces the output.
     """
-    _checks.check_rank("MoE", "x_BxSxD", x_BxSxD, 3, "B, S, D")
+    checks.check_rank("MoE", "x_BxSxD", x_BxSxD, 3, "B, S, D")
     B, S, D = x_BxSxD.shape
     if D != self.hidden:
       raise ValueError(f"MoE: x_BxSxD last dim must be hidden={self.hidden}; got {D}")
@@ -252,8 +253,8 @@ class MoE(nnx.Module):
     if valid_BxS is None:
       valid_n = jnp.ones((n,), bool)
     else:
-      _checks.check_shape("MoE", "valid_BxS", valid_BxS, (B, S), "x_BxSxD[..., 0]")
-      _checks.check_mask("MoE", "valid_BxS", valid_BxS)
+      checks.check_shape("MoE", "valid_BxS", valid_BxS, (B, S), "x_BxSxD[..., 0]")
+      checks.check_mask("MoE", "valid_BxS", valid_BxS)
       valid_n = jnp.asarray(valid_BxS).reshape(n) != 0
     x_nxD = x_BxSxD.reshape(n, D).astype(self.dtype)
     replay_nxK = None if replay_BxSxK is None else jnp.asarray(replay_BxSxK).reshape(n, K)

@@ -28,12 +28,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gspo_jax import sharding
 from gspo_jax.models import matmul
 from gspo_jax.models.attention import Attention, attend, attend_causal, rounded
 from gspo_jax.models.config import ModelConfig
 from gspo_jax.models.layers import MLP, RMSNorm, param
 from gspo_jax.models.moe import MoE
+from gspo_jax.parallel import sharding
 
 Array = jax.Array
 

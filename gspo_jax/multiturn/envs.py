@@ -35,7 +35,7 @@ import operator
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-from gspo_jax import rewards
+from gspo_jax.tasks import rewards
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,9 +25,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from gspo_jax import text
 from gspo_jax.multiturn.envs import EnvError, LoadedEnv
 from gspo_jax.multiturn.sampler import EpisodeConfig, Episodes, EpisodeState
+from gspo_jax.tasks import text
 
 COUNTS = ("turns", "ended_by_env", "obs_overflow", "turn_limit")
 

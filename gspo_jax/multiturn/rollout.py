@@ -5,7 +5,7 @@ Shapes: the package legend (docs/shapes.md); G counts episodes, T is
 the episode token budget, U = multiturn.max_turns.
 
 The multi-turn kind of rollout (`Episodes`, `Run.rollout` when `multiturn.env` is set):
-the operations of `gspo_jax.rollout.Groups` for whole episodes. The episodes' model tokens
+the operations of `gspo_jax.train.collect.Groups` for whole episodes. The episodes' model tokens
 are the batch's mask, so `prepare` (pi_old, pi_ref by teacher forcing over the whole
 episode) and the losses are the single-turn ones. The rewards are the environment's: per
 episode (`multiturn.credit="episode"`: the sum of the turn rewards, one advantage per
@@ -24,11 +24,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gspo_jax import programs as P
-from gspo_jax import rng, sampling, sharding, text
 from gspo_jax.multiturn import envs
+from gspo_jax.multiturn import programs as P
 from gspo_jax.multiturn.episodes import EpisodeResult, run_episodes
-from gspo_jax.rollout import RolloutResult
+from gspo_jax.parallel import sharding
+from gspo_jax.rollout import sampling
+from gspo_jax.tasks import text
+from gspo_jax.train.collect import RolloutResult
+from gspo_jax.utils import rng
 
 
 def sample_episodes(run, programs, params, prompts_BxP, lens_B, key, examples
@@ -93,7 +96,7 @@ def episode_rollout_step(run, params, key, step: int, ref_params=None, log=print
 @dataclasses.dataclass(frozen=True)
 class Episodes:
   """Multi-turn episodes with the run's environment: the rollout's and the greedy
-  evaluation's episode programs (`programs.episode_programs`), built once per run."""
+  evaluation's episode programs (`multiturn.programs.episode_programs`), built once per run."""
   programs: Any                 # the rollout's EpisodePrograms
   greedy: Any                   # the greedy evaluation's
   make: Callable[[Any], Any]    # EpisodeConfig -> EpisodePrograms (pass@k's n episodes)

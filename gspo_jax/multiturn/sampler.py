@@ -4,7 +4,7 @@ environment's observation onto the same KV cache, and resume, in static shapes.
 Shapes: the package legend (docs/shapes.md); G counts episodes, T is
 the episode token budget (response slots), O the observation slots of one turn.
 
-Layout: the group sampler's (`gspo_jax.sampling`), with the whole episode after the prompt
+Layout: the group sampler's (`gspo_jax.rollout.sampling`), with the whole episode after the prompt
 as one response of T slots: model turns and observations in the order they happened,
 response slot t at position prompt_len + t. So teacher forcing over the episode is
 `teacher_forcing.response_logprobs` on the same tokens, unchanged: observation tokens
@@ -44,8 +44,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from gspo_jax.models.transformer import KVCache, Transformer
-from gspo_jax.sampling import Rollout, SamplerConfig, _cache_dtype, pick_token
-from gspo_jax.teacher_forcing import prompt_forward
+from gspo_jax.rollout.sampling import Rollout, SamplerConfig, _cache_dtype, pick_token
+from gspo_jax.rollout.teacher_forcing import prompt_forward
 
 Array = jax.Array
 
@@ -258,7 +258,7 @@ finish_jit = jax.jit(finish, static_argnames=("cfg",))
 
 @dataclasses.dataclass(frozen=True)
 class EpisodePrograms:
-  """A run's compiled multi-turn programs (`programs.episode_programs`), parameters first:
+  """A run's compiled multi-turn programs (`multiturn.programs.episode_programs`), parameters first:
   start(params, prompts_BxP, lens_B, key), resume(params, state, lens_B, obs_BxGxO,
   obs_len_BxG, resume_BxG, key) (the state donated), finish(state) -> Episodes."""
   cfg: EpisodeConfig

@@ -2,7 +2,7 @@
 
 Built-in tasks with exact rewards, small enough for a tiny model to learn on CPU, and
 `DatasetTask` for your own prompts (a JSONL file) and reward functions. Every task scores
-through `Task.score_batch`, which calls `gspo_jax.rewards.score_batch`:
+through `Task.score_batch`, which calls `gspo_jax.tasks.rewards.score_batch`:
 
     task = make_task("addition", digits=2)
     task = make_task("chain", digits=1, steps=12)   # long worked solutions (tasks/chain.py)

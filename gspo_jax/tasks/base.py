@@ -3,10 +3,10 @@
 A task produces prompts with a known answer, so a completion (decoded text, cut at EOS by
 the caller) can be scored without a learned reward model. A built-in task's reward is its
 per-example `reward(example, completion)` method; `Task.score_batch`, what the trainer
-calls, hands it to `gspo_jax.rewards.score_batch`, the same scoring path a dataset task's
+calls, hands it to `gspo_jax.tasks.rewards.score_batch`, the same scoring path a dataset task's
 user functions take, so both are checked alike and fail with the same RewardError. This
 module says what a task provides; how reward functions are called and checked lives in
-`gspo_jax.rewards`.
+`gspo_jax.tasks.rewards`.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from gspo_jax import _checks
-from gspo_jax import rewards as R
+from gspo_jax.tasks import rewards as R
+from gspo_jax.utils import checks
 
 SPLITS = ("train", "heldout")
 
@@ -119,4 +119,4 @@ def check_sample_args(fn: str, rng: Any, n: Any, split: Any) -> None:
                      f"got {type(rng).__name__}")
   if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
     raise ValueError(f"{fn}: n must be an int >= 0; got {n!r}")
-  _checks.check_choice(fn, "split", split, SPLITS)
+  checks.check_choice(fn, "split", split, SPLITS)

@@ -19,7 +19,8 @@ import dataclasses
 
 from gspo_jax.tasks.chain import DEFAULT_STEPS, Chain
 from gspo_jax.tasks.dataset import DataConfig
-from gspo_jax.tasks.gym import GymConfig, check_settings as check_gym
+from gspo_jax.tasks.gym import GymConfig
+from gspo_jax.tasks.gym import check_settings as check_gym
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +32,7 @@ class TaskConfig:
   steps: int | None = None
   # name="dataset": prompts from data.train_file, scored by `reward`: specs
   # "module:fn", "path/file.py:fn" or a built-in name, each optionally "*weight"
-  # (see gspo_jax/rewards.py); the first one decides correctness.
+  # (see gspo_jax/tasks/rewards.py); the first one decides correctness.
   data: DataConfig = DataConfig()
   reward: tuple[str, ...] = ()
   # name="gym": a reasoning-gym dataset's problems, scored by its own verifier (then by

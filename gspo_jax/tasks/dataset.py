@@ -1,8 +1,8 @@
 """Your own task: prompts from a JSONL file, rewards from your own Python functions.
 
 A dataset is one more Task, so it lives beside the built-in ones and scores like them:
-`DatasetTask.score_batch` calls `gspo_jax.rewards.score_batch`, with the functions named
-by `reward` specs (loaded by `gspo_jax.rewards.load_rewards`) instead of a `reward` method.
+`DatasetTask.score_batch` calls `gspo_jax.tasks.rewards.score_batch`, with the functions named
+by `reward` specs (loaded by `gspo_jax.tasks.rewards.load_rewards`) instead of a `reward` method.
 
 One JSON object per line; blank lines are skipped. The prompt field (default "prompt") is
 required; every other field (e.g. "answer") is passed through to the reward functions:
@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from gspo_jax import rewards as R
+from gspo_jax.tasks import rewards as R
 from gspo_jax.tasks.base import Example, Task, check_sample_args
 
 SOURCE = "_source"  # meta key: "file:line" of the record, for error messages

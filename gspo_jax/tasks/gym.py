@@ -13,7 +13,7 @@ metadata, countdown its numbers and target, and a JSON round trip would turn tup
 lists). Everything after generation is the dataset path: `GymTask` is a `DatasetTask`
 built from generated records instead of a file, so the data order, resume, chat template,
 prompt-length check, held-out evaluation and the one scoring path
-(`gspo_jax.rewards.score_batch`) are shared, not copied.
+(`gspo_jax.tasks.rewards.score_batch`) are shared, not copied.
 
 Records: {prompt: the question, answer: reasoning-gym's oracle answer, "metadata": its
 metadata} (task.data.prompt_field / task.data.answer_field name the first two). Training problems
@@ -56,13 +56,13 @@ import json
 import time
 from collections.abc import Callable, Sequence
 
-from gspo_jax import rewards as R
+from gspo_jax.tasks import rewards as R
 from gspo_jax.tasks.base import Example
 from gspo_jax.tasks.dataset import SOURCE, DataConfig, DatasetTask
 
 TESTED_VERSION = "0.1.25"
 # The datasets registered by reasoning-gym 0.1.25 (reasoning_gym.factory.DATASETS);
-# tests/test_gym.py compares them with the installed package.
+# tests/tasks/test_gym.py compares them with the installed package.
 NAMES = frozenset("""
 ab acre advanced_geometry aiw arc_1d arc_agi base_conversion basic_arithmetic bf
 binary_alternation binary_matrix bitwise_arithmetic boxnet caesar_cipher calendar_arithmetic
