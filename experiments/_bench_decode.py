@@ -95,7 +95,12 @@ def _model(args, pkg):
 
 def _program(args, pkg, model, variant: str, B: int, T: int):
   """(compiled sampler, its arguments, compile seconds) of one variant."""
-  sampling = importlib.import_module(pkg.__name__ + ".sampling")
+  # The sampler's module: gspo_jax.rollout.sampling, or gspo_jax.sampling in a baseline
+  # commit from before the package was split into subpackages.
+  try:
+    sampling = importlib.import_module(pkg.__name__ + ".rollout.sampling")
+  except ModuleNotFoundError:
+    sampling = importlib.import_module(pkg.__name__ + ".sampling")
   graphdef, params = model
   extra = {"one_phase": {"decode_window": T}, "bf16_cache": {"cache_dtype": "bfloat16"}}
   scfg = sampling.SamplerConfig(group_size=args.group, max_new_tokens=T, eos_id=args.vocab - 1,
