@@ -441,7 +441,8 @@ def test_peft_export_is_the_merged_delta_in_peft_layout(run, tmp_path):
 
 
 def test_peft_loads_the_adapter_and_reproduces_our_logprobs(run, tmp_path):
-  torch = pytest.importorskip("torch", reason="optional: the PEFT round trip needs torch")
+  torch = pytest.importorskip("torch", reason="optional: the PEFT round trip needs torch "
+                              "(requirements-extras.txt: Python < 3.12; CI runs it there)")
   pytest.importorskip("transformers", reason="optional: the PEFT round trip needs transformers")
   peft = pytest.importorskip("peft", reason="optional: the PEFT round trip needs peft")
   import transformers
