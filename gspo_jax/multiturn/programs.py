@@ -12,7 +12,7 @@ import jax
 from gspo_jax.config import TrainConfig
 from gspo_jax.multiturn import sampler as mt
 from gspo_jax.multiturn.sampler import EpisodeConfig
-from gspo_jax.train.programs import Layout, _experts_on_mesh, sampler_configs
+from gspo_jax.train.programs import Layout, experts_on_mesh, sampler_configs
 
 
 def episode_configs(tok, cfg: TrainConfig):
@@ -37,7 +37,7 @@ def episode_programs(graphdef, ecfg, *, layout: Layout):
   start, resume and finish, with the parameters in their shardings and the prompts split
   by rows; the episode state's shardings follow from them."""
   ps, rows, rep = layout.state.params, layout.rows, layout.replicated
-  on_mesh = lambda fn: _experts_on_mesh(fn, layout.mesh)
+  on_mesh = lambda fn: experts_on_mesh(fn, layout.mesh)
   start = jax.jit(on_mesh(functools.partial(mt.start, graphdef, cfg=ecfg)),
                   in_shardings=(ps, rows(2), rows(1), rep))
   resume = jax.jit(on_mesh(lambda params, state, lens, obs, obs_len, go, key: mt.resume(

@@ -160,7 +160,7 @@ def sampler_program(graphdef, scfg: SamplerConfig, layout: Layout, *, model_cfg:
   rep = layout.replicated
   ins = (layout.state.params, layout.rows(2), layout.rows(1), rep)
   fn = run_rollout if rollout else run
-  fn = _experts_on_mesh(fn, layout.mesh)
+  fn = experts_on_mesh(fn, layout.mesh)
   if outs is None:
     outs = rollout_shardings(graphdef, scfg, layout if frozen is None else frozen.layout)
   ins, outs = ((*ins, rep), (outs, rep)) if rollout else (ins, outs)
@@ -170,7 +170,7 @@ def sampler_program(graphdef, scfg: SamplerConfig, layout: Layout, *, model_cfg:
                              out_shardings=outs))
 
 
-def _experts_on_mesh(fn, mesh: Mesh):
+def experts_on_mesh(fn, mesh: Mesh):
   """A sampler's function traced on the mesh when the mesh splits experts, so that its MoE
   layers dispatch expert-parallel with whole experts per chip (tokens to the experts'
   chips, `models.moe`; `expert_mesh.expert_group`) instead of leaving XLA to move the
